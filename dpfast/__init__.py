@@ -1,0 +1,46 @@
+"""dpfast: single-process multi-GPU data parallelism that is correct and fast.
+
+``dpfast.DataParallel`` takes a scatter dimension per input and a gather dimension (or reduction) per output,
+never drops a sample, and explains bad inputs. ``dpfast.ops`` holds the fused C++/CUDA data-movement ops,
+``dpfast.reference`` the same ops in plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from . import ops, reference
+from ._extension import build_info
+
+__all__ = [
+    "DataParallel",
+    "DistributedDataParallel",
+    "ScatterError",
+    "build_info",
+    "nn",
+    "ops",
+    "reference",
+]
+
+# Heavier pieces load on first use, so `import dpfast` stays cheap (and torch.distributed is only touched by DDP).
+_LAZY = {
+    "DataParallel": ("dpfast.data_parallel", "DataParallel"),
+    "ScatterError": ("dpfast._plan", "ScatterError"),
+    "DistributedDataParallel": ("dpfast.distributed", "DistributedDataParallel"),
+    "nn": ("dpfast.nn", None),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'dpfast' has no attribute {name!r}")
+    module_name, attr = _LAZY[name]
+    module = importlib.import_module(module_name)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,156 @@
+"""The fused data-movement ops: thin typed wrappers over ``torch.ops.dpfast.*``, plus their fake kernels.
+
+Kernels (CPU and CUDA) and autograd live in C++ (``csrc/``) so that a call costs one dispatcher round trip.
+The fake kernels here let the ops run under ``torch.compile(fullgraph=True)``. Without the compiled extension
+every function falls back to :mod:`dpfast.reference`, which gives the same results.
+
+Result layout: ``split_contiguous`` and ``scatter`` return ``out[i][j]``, chunk ``j`` of ``tensors[i]``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+import torch
+from torch import Tensor
+
+from . import reference
+from ._extension import LOADED
+
+DeviceLike = Union[int, str, torch.device]
+State = Union[Tensor, tuple]
+
+__all__ = [
+    "transpose01",
+    "state_to_batch_first",
+    "state_to_layer_first",
+    "split_contiguous",
+    "scatter",
+    "gather",
+]
+
+
+def as_device(d: DeviceLike) -> torch.device:
+    """``0`` -> ``cuda:0``; strings and devices as torch reads them."""
+    if isinstance(d, bool):
+        raise TypeError(f"expected a device (int, str or torch.device), got {d!r}")
+    if isinstance(d, int):
+        return torch.device("cuda", d)
+    if isinstance(d, (str, torch.device)):
+        return torch.device(d)
+    raise TypeError(f"expected a device (int, str or torch.device), got {type(d).__name__} {d!r}")
+
+
+def _unflatten(flat: Sequence[Tensor], n_tensors: int, n_chunks: int) -> list[list[Tensor]]:
+    return [list(flat[i * n_chunks : (i + 1) * n_chunks]) for i in range(n_tensors)]
+
+
+if LOADED:
+    _transpose01 = torch.ops.dpfast.transpose01.default
+    _split = torch.ops.dpfast.split_contiguous.default
+    _scatter = torch.ops.dpfast.scatter.default
+    _gather = torch.ops.dpfast.gather.default
+
+    def transpose01(*tensors: Tensor) -> tuple[Tensor, ...]:
+        """Each input (dim >= 2) as ``x.transpose(0, 1).contiguous()``, all in one kernel launch."""
+        return tuple(_transpose01(tensors))
+
+    def split_contiguous(tensors: Sequence[Tensor], dim: int, sizes: Sequence[int]) -> list[list[Tensor]]:
+        """``out[i][j]``: chunk ``j`` (``sizes[j]`` long along ``dim``) of ``tensors[i]``, contiguous; one launch."""
+        sizes = list(sizes)
+        return _unflatten(_split(tensors, dim, sizes), len(tensors), len(sizes))
+
+    def scatter(
+        tensors: Sequence[Tensor], dim: int, sizes: Sequence[int], devices: Sequence[DeviceLike]
+    ) -> list[list[Tensor]]:
+        """``out[i][j]``: chunk ``j`` of ``tensors[i]`` along ``dim``, contiguous, on ``devices[j]``.
+
+        Chunks are packed on the source device in one launch, then copied asynchronously to their devices,
+        ordered against the current streams of both. Backward gathers the gradients onto the source.
+        """
+        sizes = list(sizes)
+        return _unflatten(_scatter(tensors, dim, sizes, [as_device(d) for d in devices]), len(tensors), len(sizes))
+
+    def gather(chunks: Sequence[Tensor], dim: int, device: DeviceLike) -> Tensor:
+        """Concatenate ``chunks`` along ``dim`` on ``device`` (the inverse of :func:`scatter`)."""
+        return _gather(chunks, dim, as_device(device))
+
+    # ---- fake kernels: shapes, dtypes and devices only, for torch.compile / FakeTensor tracing ----
+
+    def _fake_dim(t: Tensor, dim: int) -> int:
+        torch._check(-t.dim() <= dim < t.dim(), lambda: f"dim {dim} out of range for shape {tuple(t.shape)}")
+        return dim % t.dim()
+
+    @torch.library.register_fake("dpfast::transpose01")
+    def _(xs: list[Tensor]) -> list[Tensor]:
+        outs = []
+        for x in xs:
+            torch._check(x.dim() >= 2, lambda: "transpose01: every tensor needs at least 2 dims")
+            shape = list(x.shape)
+            shape[0], shape[1] = shape[1], shape[0]
+            outs.append(x.new_empty(shape))
+        return outs
+
+    @torch.library.register_fake("dpfast::split_contiguous")
+    def _(xs: list[Tensor], dim: int, sizes: list[int]) -> list[Tensor]:
+        outs = []
+        for x in xs:
+            d = _fake_dim(x, dim)
+            torch._check(sum(sizes) == x.shape[d], lambda: "split_contiguous: sizes must sum to the axis")
+            for s in sizes:
+                shape = list(x.shape)
+                shape[d] = s
+                outs.append(x.new_empty(shape))
+        return outs
+
+    @torch.library.register_fake("dpfast::scatter")
+    def _(xs: list[Tensor], dim: int, sizes: list[int], devices: list[torch.device]) -> list[Tensor]:
+        torch._check(len(sizes) == len(devices), lambda: "scatter: one device per chunk size")
+        outs = []
+        for x in xs:
+            d = _fake_dim(x, dim)
+            torch._check(sum(sizes) == x.shape[d], lambda: "scatter: sizes must sum to the axis")
+            for s, dev in zip(sizes, devices):
+                shape = list(x.shape)
+                shape[d] = s
+                outs.append(x.new_empty(shape, device=dev))
+        return outs
+
+    @torch.library.register_fake("dpfast::gather")
+    def _(chunks: list[Tensor], dim: int, device: torch.device) -> Tensor:
+        torch._check(len(chunks) > 0, lambda: "gather: chunks is empty")
+        d = _fake_dim(chunks[0], dim)
+        shape = list(chunks[0].shape)
+        shape[d] = sum(c.shape[d] for c in chunks)
+        return chunks[0].new_empty(shape, device=device)
+
+else:
+    transpose01 = reference.transpose01
+    split_contiguous = reference.split_contiguous
+    gather = reference.gather
+
+    def scatter(  # type: ignore[misc]
+        tensors: Sequence[Tensor], dim: int, sizes: Sequence[int], devices: Sequence[DeviceLike]
+    ) -> list[list[Tensor]]:
+        return reference.scatter(tensors, dim, sizes, [as_device(d) for d in devices])
+
+
+def _state_map(state: State, name: str) -> State:
+    if isinstance(state, Tensor):
+        return transpose01(state)[0]
+    if isinstance(state, tuple) and len(state) > 0 and all(isinstance(s, Tensor) for s in state):
+        return tuple(transpose01(*state))  # h and c in one launch
+    raise TypeError(
+        f"{name}: state must be a Tensor (GRU/RNN) or a tuple of Tensors such as (h, c) (LSTM), "
+        f"got {type(state).__name__}"
+    )
+
+
+def state_to_batch_first(state: State) -> State:
+    """RNN state ``(L*D, B, H)``, or an ``(h, c)`` tuple of them, to ``(B, L*D, H)`` in one launch."""
+    return _state_map(state, "state_to_batch_first")
+
+
+def state_to_layer_first(state: State) -> State:
+    """RNN state ``(B, L*D, H)``, or an ``(h, c)`` tuple of them, to ``(L*D, B, H)`` in one launch."""
+    return _state_map(state, "state_to_layer_first")

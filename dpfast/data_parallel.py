@@ -1,0 +1,186 @@
+"""``dpfast.DataParallel``: specs -> plan -> scatter -> replicas -> execute -> gather.
+
+A drop-in for ``torch.nn.DataParallel`` (same constructor, attributes and ``state_dict`` keys) that takes the
+batch axis per input (``in_dims``) and the gather axis or reduction per output (``out_dims``), never drops a
+sample, and checks every input before anything is copied or run.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from ._execute import run_replicas
+from ._plan import Plan, check_batch, mapped_leaves, plan_rows, split_sizes, validate_chunk_sizes
+from ._replicas import check_module_device, replicate
+from ._specs import ArgumentSpecs, ArgumentTree, Spec, validate_spec
+from ._transfer import gather_outputs, move_tree, scatter_tree
+
+DeviceLike = Union[int, str, torch.device]
+
+__all__ = ["DataParallel"]
+
+
+def _device(d: DeviceLike, what: str) -> torch.device:
+    if isinstance(d, bool) or not isinstance(d, (int, str, torch.device)):
+        raise TypeError(f"{what} must be an int, a string like 'cuda:1' or 'cpu', or a torch.device; got {d!r}")
+    try:
+        dev = torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(f"{what} is {d!r}, which is not a device: {exc}") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"{what} is {d!r} but CUDA is not available; use 'cpu' (device_ids=['cpu'] * n rehearses a "
+                "multi-device run on the CPU)"
+            )
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        if dev.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"{what} is {d!r} but only {torch.cuda.device_count()} CUDA device(s) are visible"
+            )
+    elif dev.type != "cpu":
+        raise ValueError(f"{what} is {d!r}; dpfast.DataParallel runs on 'cpu' and CUDA devices")
+    return dev
+
+
+def _public(dev: torch.device) -> Union[int, torch.device]:
+    """How torch.nn.DataParallel exposes a device: its index for CUDA (we keep torch.device('cpu') for the CPU)."""
+    return dev.index if dev.type == "cuda" else dev
+
+
+class DataParallel(nn.Module):
+    """Split each call's batch over ``device_ids``, run a replica of ``module`` per chunk concurrently, and gather.
+
+    Args:
+        module: the module to run; its parameters and buffers must be on ``device_ids[0]``.
+        device_ids: ints, ``"cuda:N"``, ``torch.device`` or ``"cpu"``; repeats allowed (``["cpu"] * 4`` rehearses a
+            4-device run on the CPU). Default: every visible CUDA device; with no CUDA, the module is called directly.
+        output_device: where outputs are gathered (default ``device_ids[0]``).
+        dim: the batch axis of every input and output that ``in_dims``/``out_dims`` do not name.
+        in_dims: batch axis per input: ``None`` (``dim`` for all), an int, a sequence by position, or a dict keyed by
+            ``module.forward``'s parameter names. Specs are pytree prefixes: int, ``None`` (replicate), or
+            tuple/list/dict mirroring the argument.
+        out_dims: per output, as prefix specs: int (concatenate), ``None`` (replica 0's value), ``"sum"``, ``"mean"``
+            (weighted by each replica's share of the batch).
+        chunk_sizes: relative weights per device (``0`` skips a device); default an even split.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: Optional[Sequence[DeviceLike]] = None,
+        output_device: Optional[DeviceLike] = None,
+        dim: int = 0,
+        *,
+        in_dims: Any = None,
+        out_dims: Spec = None,
+        chunk_sizes: Optional[Sequence[float]] = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        self.module = module
+        self.dim = dim
+        self.in_dims = in_dims
+        self.out_dims = out_dims
+        self.chunk_sizes = chunk_sizes
+        # Everything about the specs is checked now, against forward's signature; only the structure of each
+        # call's values is left to check per call.
+        self._specs = ArgumentSpecs(module.forward, in_dims, dim)
+        validate_spec(out_dims, "out_dims", allow_reductions=True)
+
+        if device_ids is None and not torch.cuda.is_available():
+            # like torch: no accelerator and nothing asked for -> call the module directly
+            self.device_ids: list = []
+            self.output_device = None
+            self.src_device_obj = None
+            self._devices: list[torch.device] = []
+            self._output_device: Optional[torch.device] = None
+            self._weights = None
+            return
+        if device_ids is None:
+            device_ids = list(range(torch.cuda.device_count()))
+        if isinstance(device_ids, (str, int, torch.device)) or len(device_ids) == 0:
+            raise ValueError(
+                f"device_ids must be a non-empty sequence of devices (e.g. [0, 1] or ['cpu'] * 2), got {device_ids!r}"
+            )
+        devices = [_device(d, f"device_ids[{i}]") for i, d in enumerate(device_ids)]
+        if len({d.type for d in devices}) > 1:
+            raise ValueError(
+                f"device_ids mix device types ({', '.join(map(str, devices))}); use all CUDA devices, or 'cpu' "
+                "repeated for a CPU rehearsal"
+            )
+        out = devices[0] if output_device is None else _device(output_device, "output_device")
+        self._devices = devices
+        self._output_device = out
+        self._weights = validate_chunk_sizes(chunk_sizes, len(devices))
+        self.device_ids = [_public(d) for d in devices]
+        self.output_device = _public(out)
+        self.src_device_obj = devices[0]
+        if len(devices) == 1:
+            self.module.to(devices[0])  # as torch does for a single device
+
+    # -- the call ------------------------------------------------------------------------------------------------
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if not self._devices:
+            return self.module(*inputs, **kwargs)
+        source = self._devices[0]
+        check_module_device(self.module, source)
+        tree = ArgumentTree(self._specs, inputs, kwargs)
+        mapped = mapped_leaves(tree)
+        if len(self._devices) == 1:
+            # torch's single-device behaviour: nothing is split, so there is no batch to agree on; the output is
+            # returned as the module gave it
+            args, kw = move_tree(tree, source)
+            return self.module(*args, **kw)
+        batch = check_batch(tree, self._specs, mapped)
+        if not batch:  # B == 0, or nothing to split: one call on device_ids[0]
+            args, kw = move_tree(tree, source)
+            outputs = run_replicas([self.module], [(args, kw)], [source])
+            return gather_outputs(outputs, self.out_dims, self.dim, self._output_device, [batch or 0])
+        sizes = split_sizes(batch, len(self._devices), self._weights)
+        active = [(d, s) for d, s in zip(self._devices, sizes) if s > 0]
+        devices = [d for d, _ in active]
+        chunk = [s for _, s in active]
+        inputs_per_replica = scatter_tree(tree, mapped, chunk, devices)
+        modules = replicate(self.module, source, devices)
+        outputs = run_replicas(modules, inputs_per_replica, devices)
+        return gather_outputs(outputs, self.out_dims, self.dim, self._output_device, chunk)
+
+    def plan(self, *inputs: Any, **kwargs: Any) -> Plan:
+        """What ``self(*inputs, **kwargs)`` would do, as a printable table; nothing is copied or run.
+
+        Raises the same errors the call would raise before copying anything (``ScatterError``, ``TypeError``...).
+        """
+        tree = ArgumentTree(self._specs, inputs, kwargs)
+        if not self._devices:
+            return Plan("passthrough", None, [], [], None, plan_rows(tree, [], [], single=True))
+        mapped = mapped_leaves(tree)
+        if len(self._devices) == 1:
+            batch = None
+            sizes: list[int] = []
+        else:
+            batch = check_batch(tree, self._specs, mapped)
+            sizes = split_sizes(batch, len(self._devices), self._weights) if batch else []
+        if not batch:
+            size = 0 if batch is None else batch
+            rows = plan_rows(tree, mapped, [size], single=True)
+            return Plan("single", batch, self._devices, [size], self._output_device, rows)
+        rows = plan_rows(tree, mapped, [s for s in sizes if s > 0], single=False)
+        return Plan("split", batch, self._devices, sizes, self._output_device, rows)
+
+    def extra_repr(self) -> str:
+        parts = [f"device_ids=[{', '.join(str(d) for d in self.device_ids)}]"]
+        if self._output_device is not None and self._devices and self._output_device != self._devices[0]:
+            parts.append(f"output_device={self.output_device}")
+        if self.dim != 0:
+            parts.append(f"dim={self.dim}")
+        for name in ("in_dims", "out_dims", "chunk_sizes"):
+            if getattr(self, name) is not None:
+                parts.append(f"{name}={getattr(self, name)!r}")
+        return ", ".join(parts)

@@ -191,7 +191,9 @@ def _scatter_message(tree, specs, mapped, bad, batch) -> str:
             else:
                 note = f"expected {batch}"
             ax = _suggest_axis(m, batch)
-            if ax is not None:
+            if isinstance(m.leaf.value, Tensor) and m.leaf.value.dim() == 0:
+                note += ": replicate it with None"
+            elif ax is not None:
                 note += f"; axis {ax} has size {batch}"
             elif m.is_packed:
                 note += "; a PackedSequence is split by sequence: give it None to replicate it"

@@ -40,13 +40,20 @@ def _is_dataclass_instance(obj: Any) -> bool:
 class TreeDef:
     """The structure of a value with its leaves taken out; ``unflatten`` puts new leaves back."""
 
-    __slots__ = ("kind", "meta", "keys", "children")
+    __slots__ = ("kind", "meta", "keys", "children", "orig", "orig_values")
 
-    def __init__(self, kind: str, meta: Any = None, keys: tuple = (), children: tuple = ()):
+    def __init__(
+        self, kind: str, meta: Any = None, keys: tuple = (), children: tuple = (), orig: Any = None,
+        orig_values: tuple = (),
+    ):
         self.kind = kind  # "leaf" | "tuple" | "list" | "dict" | "namedtuple" | "dataclass"
         self.meta = meta  # the container's type (dataclass: the original instance, for dataclasses.replace)
         self.keys = keys  # indices, dict keys or field names, in child order
         self.children = children
+        # The flattened container and its children: a container whose children all come back unchanged is
+        # returned as itself, so tensor-free structures (a list of lengths) reach every replica by reference.
+        self.orig = orig
+        self.orig_values = orig_values
 
     def same_structure(self, other: "TreeDef") -> bool:
         if self.kind != other.kind or self.keys != other.keys or len(self.children) != len(other.children):
@@ -112,7 +119,7 @@ def _flatten(obj: Any, leaves: list) -> TreeDef:
         return LEAF
     keys, values = children_of(obj, kind)
     meta = obj if kind == "dataclass" else type(obj)
-    return TreeDef(kind, meta, keys, tuple(_flatten(v, leaves) for v in values))
+    return TreeDef(kind, meta, keys, tuple(_flatten(v, leaves) for v in values), obj, values)
 
 
 def unflatten(tdef: TreeDef, leaves: Iterable) -> Any:
@@ -123,6 +130,8 @@ def _unflatten(tdef: TreeDef, it) -> Any:
     if tdef.kind == "leaf":
         return next(it)
     values = [_unflatten(c, it) for c in tdef.children]
+    if tdef.orig is not None and all(a is b for a, b in zip(values, tdef.orig_values)):
+        return tdef.orig
     return rebuild(tdef, values)
 
 
@@ -268,6 +277,7 @@ def match_spec(
             kind, meta, keys,
             tuple(match_spec(v, spec, child_path(path, kind, k), default, explicit, what, out)
                   for k, v in zip(keys, values)),
+            value, values,
         )
     # a container spec: the value must be a container of the matching shape
     if isinstance(spec, (tuple, list)):
@@ -307,7 +317,7 @@ def match_spec(
             children.append(match_spec(v, default, p, default, False, what, out))
         else:
             children.append(match_spec(v, s, p, default, True, what, out))
-    return TreeDef(kind, meta, keys, tuple(children))
+    return TreeDef(kind, meta, keys, tuple(children), value, values)
 
 
 _DEFAULT = object()

@@ -19,6 +19,10 @@ Layout with ``state_batch_first=True``:
 Everything else (``batch_first``, ``proj_size``, bidirectional, a missing initial state, parameters and state dict
 keys) is torch's own: the modules add no parameters or buffers, so state dicts load both ways unchanged.
 With ``state_batch_first=False`` (the default) ``forward`` is torch's ``forward``.
+
+``torch.compile``: Dynamo treats these as it treats torch's RNN modules (they are ``RNNBase`` instances): a graph
+break around the call unless ``torch._dynamo.config.allow_rnn = True``, with which the whole forward, state
+conversions included, traces under ``fullgraph=True``.
 """
 
 from __future__ import annotations

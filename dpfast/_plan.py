@@ -262,7 +262,9 @@ class Plan:
         sizes: Sequence[int],
         output_device: Optional[torch.device],
         rows: Sequence[tuple[str, str, str, list[str]]],
+        reason: str = "",
     ):
+        self.reason = reason  # why a "single" plan makes one call
         self.mode = mode  # "split", "single" (one call on device_ids[0]) or "passthrough" (no device_ids)
         self.batch_size = batch_size
         self.devices = list(devices)  # every device_ids entry
@@ -283,8 +285,9 @@ class Plan:
         if self.mode == "passthrough":
             head = "dpfast plan: no device_ids and no CUDA: the module is called directly"
         elif self.mode == "single":
-            why = "B = 0" if self.batch_size == 0 else "no tensor to split"
-            head = f"dpfast plan: {why}: one call on {self.devices[0]}, output on {self.output_device}"
+            head = f"dpfast plan: {self.reason}: one call on {self.devices[0]}, output on {self.output_device}"
+            if self.reason == "one device":
+                head = f"dpfast plan: one device: the module is called directly on {self.devices[0]}"
         else:
             head = (
                 f"dpfast plan: B = {self.batch_size} split {self.sizes} over "

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ._execute import run_replicas
-from ._plan import Plan, check_batch, mapped_leaves, plan_rows, split_sizes, validate_chunk_sizes
+from ._plan import Plan, check_batch, choose_batch, mapped_leaves, plan_rows, split_sizes, validate_chunk_sizes
 from ._replicas import check_module_device, replicate
 from ._specs import ArgumentSpecs, ArgumentTree, Spec, validate_spec
 from ._transfer import gather_outputs, move_tree, scatter_tree
@@ -161,16 +161,17 @@ class DataParallel(nn.Module):
         if not self._devices:
             return Plan("passthrough", None, [], [], None, plan_rows(tree, [], [], single=True))
         mapped = mapped_leaves(tree)
-        if len(self._devices) == 1:
-            batch = None
-            sizes: list[int] = []
-        else:
-            batch = check_batch(tree, self._specs, mapped)
-            sizes = split_sizes(batch, len(self._devices), self._weights) if batch else []
+        if len(self._devices) == 1:  # nothing is split (see forward): B is informative only
+            batch = choose_batch(mapped)
+            rows = plan_rows(tree, mapped, [batch or 0], single=True)
+            return Plan("single", batch, self._devices, [batch or 0], self._output_device, rows,
+                        reason="one device")
+        batch = check_batch(tree, self._specs, mapped)
         if not batch:
-            size = 0 if batch is None else batch
-            rows = plan_rows(tree, mapped, [size], single=True)
-            return Plan("single", batch, self._devices, [size], self._output_device, rows)
+            rows = plan_rows(tree, mapped, [batch or 0], single=True)
+            reason = "B = 0" if batch == 0 else "no tensor to split"
+            return Plan("single", batch, self._devices, [batch or 0], self._output_device, rows, reason=reason)
+        sizes = split_sizes(batch, len(self._devices), self._weights)
         rows = plan_rows(tree, mapped, [s for s in sizes if s > 0], single=False)
         return Plan("split", batch, self._devices, sizes, self._output_device, rows)
 

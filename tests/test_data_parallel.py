@@ -484,6 +484,16 @@ def test_output_errors():
         dpfast.DataParallel(Label(), ["cpu"] * 2, out_dims=(0, "sum"))(torch.zeros(3))
 
 
+def test_out_dims_structure_errors():
+    dp = dpfast.DataParallel(Losses(), ["cpu"] * 2, out_dims=("mean", "sum"))
+    with pytest.raises(ValueError, match=r"out_dims for `output` has 2 specs but `output` is a tuple of length 3"):
+        dp(torch.randn(4, 4), torch.randn(4, 2))
+    dp = dpfast.DataParallel(Losses(), ["cpu"] * 2, out_dims={"loss": "mean"})
+    with pytest.raises(TypeError, match=r"out_dims for `output` is a dict with keys \['loss'\], but `output` is a "
+                                        r"tuple of length 3"):
+        dp(torch.randn(4, 4), torch.randn(4, 2))
+
+
 def test_module_must_live_on_device_ids_zero():
     module = nn.Linear(2, 2, device="meta")
     with pytest.raises(RuntimeError, match=r"module must have its parameters and buffers on device cpu "
@@ -553,13 +563,14 @@ def test_replicas_run_in_threads_with_grad_inference_and_autocast_state():
 
         def forward(self, x):
             y = self.lin(x)
-            seen.append((threading.get_ident(), torch.is_grad_enabled(), torch.is_inference_mode_enabled(), y.dtype))
+            seen.append((threading.current_thread().name, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), y.dtype))
             return y
 
     dp = dpfast.DataParallel(M(), ["cpu"] * 3)
     x = torch.randn(6, 4)
     assert dp(x).requires_grad
-    assert len({s[0] for s in seen}) == 3 and all(s[1:] == (True, False, torch.float32) for s in seen)
+    assert len({s[0] for s in seen}) == 3 and all(  # one thread per replica (names: idents get reused)
+        s[1:] == (True, False, torch.float32) for s in seen)
     seen.clear()
     with torch.no_grad():
         assert not dp(x).requires_grad

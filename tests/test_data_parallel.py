@@ -71,7 +71,7 @@ def _loss(out: Any) -> torch.Tensor:
     for t in _leaves(out):
         t = _as_comparable(t)
         if t.is_floating_point() and t.requires_grad:
-            w = torch.arange(t.numel(), dtype=t.dtype).reshape(t.shape).sin()
+            w = torch.arange(t.numel(), dtype=t.dtype, device=t.device).reshape(t.shape).sin()
             total = total + (t * w).sum()
     return total
 
@@ -594,7 +594,7 @@ def test_replicas_run_in_threads_with_grad_inference_and_autocast_state():
 def test_state_dict_keys_and_attributes_match_torch():
     module = Seq()
     ours = dpfast.DataParallel(module, ["cpu"] * 2, in_dims={"h": 1})
-    theirs = nn.DataParallel(module)  # no CUDA here: torch keeps .module and calls it directly
+    theirs = nn.DataParallel(copy.deepcopy(module))  # (torch may move its module to a GPU)
     assert list(ours.state_dict()) == list(theirs.state_dict())
     assert all(k.startswith("module.") for k in ours.state_dict())
     ours.load_state_dict(theirs.state_dict())

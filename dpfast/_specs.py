@@ -471,7 +471,9 @@ class ArgumentSpecs:
             merged.update(fixes)
             order = {n: i for i, n in enumerate(self.pos_names)}
             items = sorted(merged.items(), key=lambda kv: order.get(kv[0], len(order)))
-            return "in_dims={" + ", ".join(f"{k!r}: {v!r}" for k, v in items) + "}"
+            # an int in_dims was a default for every argument; with a dict that default is the `dim` argument
+            prefix = f"dim={self.default!r}, " if self.default != self.dim else ""
+            return prefix + "in_dims={" + ", ".join(f"{k!r}: {v!r}" for k, v in items) + "}"
         idx = dict(self.by_index)
         for k, v in fixes.items():  # keys look like "args[3]"
             if k.startswith("args["):

@@ -193,6 +193,8 @@ class Boom(nn.Module):
          dpfast.ScatterError, r"suggested fix: DataParallel\(\.\.\., in_dims=\{'h': 1, 'mask': None\}\)"),
         ({"h": {"a": 0}}, (torch.zeros(4, 3), {"a": torch.zeros(4), "b": torch.zeros(2, 4)}), {},
          dpfast.ScatterError, r"in_dims=\{'h': \{'a': 0, 'b': 1\}\}"),
+        (1, (torch.zeros(3, 4), torch.zeros(4, 3)), {}, dpfast.ScatterError,
+         r"suggested fix: DataParallel\(\.\.\., dim=1, in_dims=\{'h': 0\}\)"),
     ],
 )
 def test_call_errors_before_any_call(in_dims, args, kwargs, exc, match):

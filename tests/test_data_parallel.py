@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import threading
+import time
 from collections import namedtuple
 from typing import Any
 
@@ -512,14 +513,35 @@ class Fails(nn.Module):
 
 
 def test_replica_exception_names_replica_and_device():
-    before = threading.active_count()
     x = torch.tensor([1.0, 2, 3, 4, 5, -6, 7])  # chunks [2, 2, 2, 1] on 4 replicas: -6 lands in replica 2
     with pytest.raises(ValueError, match=r"^replica 2 on cpu raised ValueError: negative input in a chunk of 2$") as e:
         dpfast.DataParallel(Fails(), ["cpu"] * 4)(x)
     cause = e.value.__cause__
     assert type(cause) is ValueError and str(cause) == "negative input in a chunk of 2"
     assert cause.__traceback__ is not None
-    assert threading.active_count() == before  # no thread left behind
+
+
+def test_no_work_left_behind_and_no_thread_growth():
+    finished = []
+
+    class SlowAndFailing(nn.Module):
+        def forward(self, x):
+            if x.shape[0] == 1:
+                raise ValueError("fast failure")
+            time.sleep(0.2)
+            finished.append(x.shape[0])
+            return x
+
+    dp = dpfast.DataParallel(SlowAndFailing(), ["cpu"] * 3)
+    with pytest.raises(ValueError, match="replica 2 on cpu raised ValueError: fast failure"):
+        dp(torch.zeros(5))  # chunks [2, 2, 1]
+    assert sorted(finished) == [2, 2]  # the call raised only after the slow replicas had finished
+    before = threading.active_count()
+    for _ in range(5):
+        with pytest.raises(ValueError):
+            dp(torch.zeros(5))
+        dpfast.DataParallel(Fails(), ["cpu"] * 3)(torch.ones(6))
+    assert threading.active_count() == before  # idle workers are reused, not piled up
 
 
 def test_replica_exception_several_and_unbuildable_types():

@@ -67,6 +67,19 @@ class DataParallel(nn.Module):
         out_dims: per output, as prefix specs: int (concatenate), ``None`` (replica 0's value), ``"sum"``, ``"mean"``
             (weighted by each replica's share of the batch).
         chunk_sizes: relative weights per device (``0`` skips a device); default an even split.
+
+    Behaviour worth knowing:
+        * ``B`` is the size that most top-level arguments agree on along their batch axis (ties: the earliest
+          argument); any mapped tensor that disagrees raises :class:`dpfast.ScatterError` before anything is
+          copied, with a table of every mapped tensor (paths like ``x``, ``h[0]``, ``batch['mask']``, ``pair.a``
+          rooted at forward's parameter names) and a suggested ``in_dims``.
+        * Chunks differ by at most one (earlier devices take the remainder), or follow ``chunk_sizes`` by largest
+          remainder; they always sum to ``B``. ``B`` < n runs fewer replicas; ``B == 0`` or nothing to split runs
+          one call on ``device_ids[0]``.
+        * A 0-dim output under an int spec is stacked into ``(n_replicas_run,)``, like torch. With a single
+          device the module is called directly and its output returned as is, also like torch.
+        * Non-tensors under the default ``dim`` reach every replica by reference; under an explicit int spec they
+          are an error. A ``PackedSequence`` under an int spec is split by sequence, in the caller's order.
     """
 
     def __init__(

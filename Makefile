@@ -1,0 +1,40 @@
+# dpfast: `make demo` shows it working, `make test` checks everything. Both set up .venv on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CI builds the CUDA kernels for one architecture to keep compile time low (they cannot run without a GPU).
+export TORCH_CUDA_ARCH_LIST ?= 9.0
+export DPFAST_CUDA ?= auto
+PYTEST_ARGS ?=
+
+.PHONY: all venv build test demo bench info clean
+
+all: test
+
+# The venv is (re)made when missing or when the dependency list changes.
+$(VENV)/.deps: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q "torch>=2.4" ninja pytest hypothesis expecttest numpy matplotlib
+	touch $@
+
+venv: $(VENV)/.deps
+
+# ninja keeps objects in build/, so only changed sources recompile.
+build: venv
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	$(PY) -m dpfast info
+
+test: build
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+demo: build
+	$(PY) -m dpfast demo
+
+bench: build
+	$(PY) -m dpfast bench
+
+info: build
+
+clean:
+	rm -rf build dist *.egg-info dpfast/_C*.so benchmarks/results .pytest_cache

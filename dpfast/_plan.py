@@ -173,6 +173,11 @@ def _suggest_axis(m: Mapped, batch: Optional[int]) -> Spec:
     return None
 
 
+def _kept_spec(leaf) -> Spec:
+    """A good leaf's spec in the suggested fix: non-tensors get None (an explicit int would refuse them)."""
+    return leaf.spec if isinstance(leaf.value, (Tensor, PackedSequence)) else None
+
+
 def _scatter_message(tree, specs, mapped, bad, batch) -> str:
     bad_ids = {id(m) for m in bad}
     if batch is None:
@@ -218,7 +223,7 @@ def _scatter_message(tree, specs, mapped, bad, batch) -> str:
             if m is not None and id(m) in bad_ids:
                 leaf_specs.append(_suggest_axis(m, batch))
             else:
-                leaf_specs.append(leaf.spec)
+                leaf_specs.append(_kept_spec(leaf))
         fixes.setdefault(tree.arg_names[a], []).append(spec_tree_repr(tree.arg_defs[a], leaf_specs))
     merged: dict[str, Spec] = {}
     for name, found in fixes.items():
@@ -230,7 +235,7 @@ def _scatter_message(tree, specs, mapped, bad, batch) -> str:
                     extra[a - len(specs.pos_names)] = spec_tree_repr(
                         tree.arg_defs[a],
                         [_suggest_axis(mapped_by_leaf[id(lf)], batch)
-                         if id(lf) in mapped_by_leaf and id(mapped_by_leaf[id(lf)]) in bad_ids else lf.spec
+                         if id(lf) in mapped_by_leaf and id(mapped_by_leaf[id(lf)]) in bad_ids else _kept_spec(lf)
                          for lf, ar in zip(tree.leaves, tree.leaf_arg) if ar == a],
                     )
             merged[name] = tuple(extra)

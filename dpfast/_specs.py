@@ -2,6 +2,8 @@
 
 A *spec* is a pytree prefix of the value it describes: a leaf spec (``int``, ``None``, and for outputs ``"sum"`` /
 ``"mean"``) applies to every leaf below it; a tuple/list/dict spec mirrors the value's structure one level down.
+A dict spec matches a dict by key or a namedtuple/dataclass by field name (naming a subset; the rest use ``dim``);
+an instance of a dataclass matches a value of that same dataclass, every field holding that field's spec.
 
 The tree walker is our own and deliberately small: tensors, ``None``, tuples, lists, dicts, namedtuples and
 dataclass instances are walked; ``PackedSequence`` is a leaf (it is split by sequence as a whole, see
@@ -14,6 +16,7 @@ roots are ``args[i]`` and ``kwargs['name']``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -21,7 +24,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
-Spec = Any  # int | None | str | tuple | list | dict, nested
+Spec = Any  # int | None | str | tuple | list | dict | dataclass instance, nested
 REDUCTIONS = ("sum", "mean")
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -144,12 +147,22 @@ def rebuild(tdef: TreeDef, values: list) -> Any:
     if kind == "namedtuple":
         return meta(*values)
     if kind == "dict":
-        pairs = zip(tdef.keys, values)
         if meta is dict:
-            return dict(pairs)
+            return dict(zip(tdef.keys, values))
+        if tdef.orig is not None:
+            # a shallow copy keeps the subclass and its attributes (a defaultdict's default_factory, an
+            # OrderedDict's order), then the new values replace the old ones
+            try:
+                out = copy.copy(tdef.orig)
+                out.clear()
+                out.update(zip(tdef.keys, values))
+                if type(out) is meta and list(out.keys()) == list(tdef.keys):
+                    return out
+            except Exception:
+                pass
         try:
-            return meta(pairs)
-        except Exception:  # dict subclasses with their own constructor (defaultdict, ...): a plain dict is safer
+            return meta(zip(tdef.keys, values))
+        except Exception:  # dict subclasses with their own constructor: a plain dict is safer
             return dict(zip(tdef.keys, values))
     # dataclass: replace init fields, set the others (works for frozen dataclasses too)
     fields = dataclasses.fields(meta)
@@ -234,10 +247,14 @@ def validate_spec(spec: Spec, where: str, allow_reductions: bool) -> None:
         for k, s in spec.items():
             validate_spec(s, f"{where}[{k!r}]", allow_reductions)
         return
+    if _is_dataclass_instance(spec):  # an instance of the value's dataclass holding a spec in every field
+        for f in dataclasses.fields(spec):
+            validate_spec(getattr(spec, f.name), f"{where}.{f.name}", allow_reductions)
+        return
     allowed = "an int, None, 'sum', 'mean'" if allow_reductions else "an int, None"
     raise TypeError(
-        f"{where} is {type(spec).__name__} {spec!r}; a spec is {allowed}, or a tuple/list/dict of specs "
-        "mirroring the value"
+        f"{where} is {type(spec).__name__} {spec!r}; a spec is {allowed}, or a tuple/list/dict (or dataclass "
+        "instance) of specs mirroring the value"
     )
 
 
@@ -280,6 +297,14 @@ def match_spec(
             value, values,
         )
     # a container spec: the value must be a container of the matching shape
+    if _is_dataclass_instance(spec):
+        # a dataclass instance as the spec of a value of the same dataclass: every field holds that field's spec
+        if type(value) is not type(spec):
+            raise TypeError(
+                f"{what} for `{path}` is a {type(spec).__name__} instance, but `{path}` is {describe_value(value)}; "
+                f"a dataclass spec matches a value of the same dataclass (use a dict keyed by field names otherwise)"
+            )
+        spec = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
     if isinstance(spec, (tuple, list)):
         if kind not in ("tuple", "list", "namedtuple"):
             raise TypeError(

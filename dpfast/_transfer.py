@@ -96,9 +96,11 @@ def gather_outputs(
 ) -> Any:
     """Combine the replicas' outputs leaf by leaf as ``out_dims`` says, onto ``device``.
 
-    ``int``: concatenate along that axis (0-dim tensors are stacked into ``(n_replicas,)``); ``None``: replica 0's
-    value; ``"sum"``; ``"mean"``: weighted by each replica's share of the batch, so a per-sample-mean loss equals
-    the full-batch mean even when the split is uneven.
+    ``int``: concatenate along that axis (0-dim tensors are stacked into ``(n_replicas,)``; PackedSequences are
+    merged by sequence, in the caller's order; non-tensor values come back once when every replica returned an
+    equal value, else as a list with one value per replica); ``None``: replica 0's value; ``"sum"``; ``"mean"``:
+    weighted by each replica's share of the batch, so a per-sample-mean loss equals the full-batch mean even when
+    the split is uneven.
     """
     spec = dim if out_dims is None else out_dims
     leaves0: list[SpecLeaf] = []
@@ -129,6 +131,9 @@ def _combine(leaf: SpecLeaf, values: list, device: torch.device, weights: list[f
         return _reduce(path, spec, values, device, weights)
     if all(isinstance(v, PackedSequence) for v in values):
         return gather_packed(values, device)
+    if not any(isinstance(v, (Tensor, PackedSequence)) for v in values):
+        # non-tensor outputs (a tag, a count): once when every replica agrees, else one value per replica
+        return values[0] if _all_equal(values) else list(values)
     if not all(isinstance(v, Tensor) for v in values):
         kinds = sorted({type(v).__name__ for v in values})
         raise TypeError(
@@ -153,6 +158,23 @@ def _combine(leaf: SpecLeaf, values: list, device: torch.device, weights: list[f
                 "dtype must agree (is the batch on another axis? set out_dims for it)"
             )
     return ops.gather(values, axis, device)
+
+
+def _all_equal(values: list) -> bool:
+    """Whether every value is replica 0's (identical, or ``==`` answering a plain ``True``)."""
+    ref = values[0]
+    for v in values[1:]:
+        if v is ref:
+            continue
+        if type(v) is not type(ref):
+            return False
+        try:
+            same = v == ref
+        except Exception:
+            return False
+        if not (isinstance(same, bool) and same):
+            return False
+    return True
 
 
 def _reduce(path: str, how: str, values: list, device: torch.device, weights: list[float]) -> Any:

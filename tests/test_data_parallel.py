@@ -462,9 +462,16 @@ def test_output_errors():
         def forward(self, x):
             return x, "label"
 
-    with pytest.raises(TypeError, match=r"output `output\[1\]` is str, which cannot be concatenated along axis 0; "
-                                        r"give it out_dims None"):
-        dpfast.DataParallel(Label(), ["cpu"] * 2)(torch.zeros(3))
+    # non-tensor outputs equal across replicas come back once (tests/test_structured.py has the list case)
+    assert dpfast.DataParallel(Label(), ["cpu"] * 2)(torch.zeros(3))[1] == "label"
+
+    class Mixed(nn.Module):
+        def forward(self, x):
+            return x, (x if x.shape[0] == 2 else "label")
+
+    with pytest.raises(TypeError, match=r"output `output\[1\]` is Tensor/str, which cannot be concatenated along "
+                                        r"axis 0; give it out_dims None"):
+        dpfast.DataParallel(Mixed(), ["cpu"] * 2)(torch.zeros(3))
     out = dpfast.DataParallel(Label(), ["cpu"] * 2, out_dims=(0, None))(torch.zeros(3))
     assert out[1] == "label"
 

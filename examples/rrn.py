@@ -179,7 +179,7 @@ class Config:
     g_layers: int = 1
     reasoning_steps: int = 3  # calls per batch, each feeding (hidden, h) back in
     train_steps: int = 5
-    lr: float = 0.05
+    lr: float = 0.2
 
 
 def build_model(cfg: Config, device="cpu") -> RRN:

@@ -128,6 +128,11 @@ def run_replicas(
         i = failed[0]
         exc = errors[i]
         assert exc is not None
+        # The original's traceback holds work()'s frame, whose closure holds these lists: empty them so the
+        # exception -> traceback -> frame -> list -> exception cycle cannot keep the other replicas' outputs (and
+        # their autograd graphs) alive until the garbage collector runs.
+        errors.clear()
+        results.clear()
         raise _wrap(exc, i, devices[i], len(failed)) from exc
     return results
 

@@ -133,10 +133,11 @@ def mapped_leaves(tree: ArgumentTree) -> list[Mapped]:
         if isinstance(v, (Tensor, PackedSequence)):
             out.append(Mapped(leaf, arg))
         elif leaf.explicit and v is not None:
+            kind = type(v).__name__
             raise TypeError(
-                f"in_dims gives `{leaf.path}` the batch axis {leaf.spec}, but it is a {type(v).__name__}, not a "
-                f"tensor; pass it as a tensor to split it, or give it the spec None to pass it unchanged to every "
-                "replica"
+                f"in_dims gives `{leaf.path}` the batch axis {leaf.spec}, but it is "
+                f"{'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind}, not a tensor; pass it as a tensor "
+                "(e.g. torch.tensor(...)) to split it, or give it the spec None to pass it unchanged to every replica"
             )
     return out
 

@@ -11,6 +11,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence
 
 from ._execute import run_replicas
 from ._plan import Plan, check_batch, choose_batch, mapped_leaves, plan_rows, split_sizes, validate_chunk_sizes
@@ -107,7 +108,11 @@ class DataParallel(nn.Module):
         validate_spec(out_dims, "out_dims", allow_reductions=True)
 
         if device_ids is None and not torch.cuda.is_available():
-            # like torch: no accelerator and nothing asked for -> call the module directly
+            # like torch: no accelerator and nothing asked for -> call the module directly. output_device and the
+            # number of chunk_sizes are ignored then (code written for N GPUs still runs), their types are not.
+            if chunk_sizes is not None:
+                n = len(chunk_sizes) if hasattr(chunk_sizes, "__len__") else 0
+                validate_chunk_sizes(chunk_sizes, n)
             self.device_ids: list = []
             self.output_device = None
             self.src_device_obj = None
@@ -117,7 +122,18 @@ class DataParallel(nn.Module):
             return
         if device_ids is None:
             device_ids = list(range(torch.cuda.device_count()))
-        if isinstance(device_ids, (str, int, torch.device)) or len(device_ids) == 0:
+        if isinstance(device_ids, (str, int, torch.device)):
+            raise ValueError(
+                f"device_ids must be a non-empty sequence of devices (e.g. [0, 1] or ['cpu'] * 2), got {device_ids!r}"
+            )
+        try:
+            device_ids = list(device_ids)
+        except TypeError:
+            raise TypeError(
+                f"device_ids must be a non-empty sequence of devices (e.g. [0, 1] or ['cpu'] * 2), got "
+                f"{type(device_ids).__name__} {device_ids!r}"
+            ) from None
+        if len(device_ids) == 0:
             raise ValueError(
                 f"device_ids must be a non-empty sequence of devices (e.g. [0, 1] or ['cpu'] * 2), got {device_ids!r}"
             )
@@ -139,12 +155,29 @@ class DataParallel(nn.Module):
 
     # -- the call ------------------------------------------------------------------------------------------------
 
+    def _check_input_devices(self, tree: ArgumentTree) -> None:
+        """Inputs may live on the CPU or on devices of device_ids' type (they are moved); anything else (a meta
+        tensor, a CUDA tensor in a CPU rehearsal) is refused before anything is copied."""
+        kind = self._devices[0].type
+        for leaf in tree.leaves:
+            v = leaf.value
+            if isinstance(v, (torch.Tensor, PackedSequence)):
+                dev = v.data.device
+                if dev.type != "cpu" and dev.type != kind:
+                    where = "the CPU" if kind == "cpu" else f"the CPU or a {kind} device"
+                    raise ValueError(
+                        f"`{leaf.path}` is on {dev}, but device_ids are "
+                        f"[{', '.join(repr(str(d)) for d in self._devices)}]; inputs must be on {where}: move it "
+                        f"with .to({str(self._devices[0])!r}) first"
+                    )
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if not self._devices:
             return self.module(*inputs, **kwargs)
         source = self._devices[0]
         check_module_device(self.module, source)
         tree = ArgumentTree(self._specs, inputs, kwargs)
+        self._check_input_devices(tree)
         mapped = mapped_leaves(tree)
         if len(self._devices) == 1:
             # torch's single-device behaviour: nothing is split, so there is no batch to agree on; the output is
@@ -173,6 +206,7 @@ class DataParallel(nn.Module):
         tree = ArgumentTree(self._specs, inputs, kwargs)
         if not self._devices:
             return Plan("passthrough", None, [], [], None, plan_rows(tree, [], [], single=True))
+        self._check_input_devices(tree)
         mapped = mapped_leaves(tree)
         if len(self._devices) == 1:  # nothing is split (see forward): B is informative only
             batch = choose_batch(mapped)

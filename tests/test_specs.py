@@ -179,8 +179,8 @@ class Boom(nn.Module):
         ({"h": {"c": 1}}, (torch.zeros(2, 3), [torch.zeros(2)]), {}, TypeError,
          r"in_dims for `h` is a dict with keys \['c'\], but `h` is a list of length 1"),
         ({"h": 0}, (torch.zeros(2, 3), [3, 4]), {}, TypeError,
-         r"in_dims gives `h\[0\]` the batch axis 0, but it is a int, not a tensor; pass it as a tensor to split it, "
-         r"or give it the spec None"),
+         r"in_dims gives `h\[0\]` the batch axis 0, but it is an int, not a tensor; pass it as a tensor "
+         r"\(e\.g\. torch\.tensor\(\.\.\.\)\) to split it, or give it the spec None"),
         ({"mask": 0}, (torch.zeros(2, 3),), {"mask": "causal"}, TypeError,
          r"`mask` the batch axis 0, but it is a str"),
         (None, (torch.zeros(2, 3), torch.tensor(1.0)), {}, dpfast.ScatterError,

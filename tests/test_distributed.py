@@ -1,0 +1,379 @@
+"""dpfast.DistributedDataParallel on 2 and 3 gloo ranks (CPU processes), against the single-process full-batch run.
+
+Process spawn is slow on this box, so each world size spawns **one** group that runs every scenario in turn and
+writes one result per scenario and rank (``None`` or the failure text); the tests below only read those results.
+Every collective has a 30 s gloo timeout and the whole group a wall-clock limit, so a hang fails instead of blocking,
+and the processes are killed in any case.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+import socket
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+import dpfast
+from dpfast.distributed import DistributedBatchError, shard_batch, shard_dataset, shard_range
+
+DT = torch.float64
+GROUP_TIMEOUT_S = 150  # the whole spawned group; a healthy run takes a few seconds
+BATCHES = {2: (5, 1), 3: (7, 2)}  # not divisible by the world size, and smaller than it
+
+
+# ---- models --------------------------------------------------------------------------------------------------------
+
+
+class MLP(nn.Module):
+    def __init__(self, i, o, hidden=8):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(i, hidden), nn.Tanh(), nn.Linear(hidden, o))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class RRN(nn.Module):
+    """Seed 000's relational recurrent network, small: messages between N nodes, an LSTM(batch_first=True) whose
+    state is (num_layers, B, H), i.e. batch on axis 1 (in_dims={'h': 1}, out_dims=(0, 0, 1))."""
+
+    def __init__(self, d_in=3, hidden=5, message=4, out=2, layers=2):
+        super().__init__()
+        self.f = MLP(2 * hidden, message)
+        self.g_mlp = MLP(d_in + message, 6)
+        self.g = nn.LSTM(6, hidden, num_layers=layers, batch_first=True)
+        self.o = MLP(hidden, out)
+        self.message = message
+
+    def forward(self, x, hidden, h):
+        b, n, d = hidden.shape
+        hi = hidden.repeat(1, n, 1)
+        hj = hidden.unsqueeze(2).repeat(1, 1, n, 1).view(b, -1, d)
+        messages = self.f(torch.cat((hi, hj), dim=2)).view(b, n, n, self.message).sum(dim=2)
+        out, h = self.g(self.g_mlp(torch.cat((x, messages), dim=2)), h)
+        hidden = out.clone()
+        return self.o(hidden), hidden, h
+
+
+class Losses(nn.Module):
+    """A model whose outputs are a per-sample-mean loss, a sum loss and the predictions."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x, y):
+        pred = self.lin(x)
+        return F.mse_loss(pred, y), ((pred - y) ** 2).sum(), pred
+
+
+class NoEmpty(Losses):
+    """Refuses an empty batch (like BatchNorm in training mode does for B = 1): exercises the ghost fallback."""
+
+    def forward(self, x, y):
+        if x.shape[0] == 0:
+            raise RuntimeError("NoEmpty cannot run on an empty batch")
+        return super().forward(x, y)
+
+
+def _rrn_inputs(b, n=3, layers=2, hidden=5):
+    g = torch.Generator().manual_seed(100 + b)
+    x = torch.randn(b, n, 3, dtype=DT, generator=g)
+    hid = torch.randn(b, n, hidden, dtype=DT, generator=g)
+    h = (torch.randn(layers, b, hidden, dtype=DT, generator=g), torch.randn(layers, b, hidden, dtype=DT, generator=g))
+    return x, hid, h
+
+
+def _rrn_loss(outputs):
+    out, hidden, (hn, cn) = outputs
+    g = torch.Generator().manual_seed(7)
+    w_out = torch.randn(out.shape[1:], dtype=DT, generator=g)
+    w_h = torch.randn(hn.shape[-1], dtype=DT, generator=g)
+    return (out * w_out).sum() + (hidden ** 2).mean() + (hn * w_h).sum() + cn.pow(2).sum()
+
+
+def _xy(b):
+    g = torch.Generator().manual_seed(200 + b)
+    return torch.randn(b, 4, dtype=DT, generator=g), torch.randn(b, 2, dtype=DT, generator=g)
+
+
+def _losses_loss(outputs):
+    mse, sse, pred = outputs
+    return mse + 0.1 * sse + pred.pow(2).mean()
+
+
+def _grads(module):
+    return {n: (p.grad.clone() if p.grad is not None else None) for n, p in module.named_parameters()}
+
+
+def _assert_tree_close(actual, expected, what):
+    a_leaves, a_spec = torch.utils._pytree.tree_flatten(actual)
+    e_leaves, e_spec = torch.utils._pytree.tree_flatten(expected)
+    assert a_spec == e_spec, f"{what}: structure {a_spec} != {e_spec}"
+    for i, (a, e) in enumerate(zip(a_leaves, e_leaves)):
+        if isinstance(e, torch.Tensor):
+            torch.testing.assert_close(a, e, msg=lambda m: f"{what} leaf {i}: {m}")
+        else:
+            assert a == pytest.approx(e), f"{what} leaf {i}: {a} != {e}"
+
+
+def _compare_with_full_batch(factory, inputs, loss_fn, ddp_kwargs):
+    """One DDP step on the global batch vs the plain module on the whole batch: gathered outputs and gradients."""
+    torch.manual_seed(0)
+    module = factory().to(DT)
+    ref = copy.deepcopy(module)
+    expected = ref(*inputs)
+    loss_fn(expected).backward()
+
+    ddp = dpfast.DistributedDataParallel(module, gather_outputs=True, **ddp_kwargs)
+    outputs = ddp(*inputs)
+    _assert_tree_close(outputs, expected, "gathered outputs")
+    loss_fn(outputs).backward()
+    got, want = _grads(ddp.module), _grads(ref)
+    for name in want:
+        assert got[name] is not None, f"{name}: no gradient"
+        torch.testing.assert_close(got[name], want[name], msg=lambda m: f"grad of {name}: {m}")
+    return ddp
+
+
+# ---- scenarios (run inside every rank) --------------------------------------------------------------------------
+
+
+def _scenarios(world):
+    out = {}
+    for b in BATCHES[world]:
+        out[f"rrn_B{b}"] = functools.partial(
+            _compare_with_full_batch, RRN, _rrn_inputs(b), _rrn_loss, dict(in_dims={"h": 1}, out_dims=(0, 0, 1)))
+        out[f"losses_B{b}"] = functools.partial(
+            _compare_with_full_batch, Losses, _xy(b), _losses_loss, dict(out_dims=("mean", "sum", 0)))
+        out[f"local_loss_scale_B{b}"] = functools.partial(_local_loss_scale, b)
+    out["ghost_when_module_refuses_empty"] = functools.partial(
+        _compare_with_full_batch, NoEmpty, _xy(world - 1), _losses_loss, dict(out_dims=("mean", "sum", 0)))
+    weights = [1] + [0] + [2] * (world - 2)  # rank 1 gets no rows at all
+    out["chunk_sizes_zero_weight"] = functools.partial(
+        _compare_with_full_batch, Losses, _xy(5), _losses_loss, dict(out_dims=("mean", "sum", 0), chunk_sizes=weights))
+    out["no_tensor_to_split"] = _no_tensor_to_split
+    out["mismatched_batch"] = _mismatched_batch
+    out["one_rank_bad_inputs"] = _one_rank_bad_inputs
+    out["mismatched_values"] = _mismatched_values
+    out["shard_helpers"] = _shard_helpers
+    return out
+
+
+def _local_loss_scale(b):
+    """Without gather_outputs: a local per-sample-mean loss times loss_scale gives the full-batch gradient."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    module = nn.Linear(4, 2).to(DT)
+    ref = copy.deepcopy(module)
+    x, y = _xy(b)
+    F.mse_loss(ref(x), y).backward()
+    ddp = dpfast.DistributedDataParallel(module)
+    pred = ddp(x)
+    assert pred.shape == (ddp.share.size, 2)
+    y_local = shard_batch(y, rank, world)
+    torch.testing.assert_close(pred, ref(x)[ddp.share.start: ddp.share.stop].detach())
+    (F.mse_loss(pred, y_local) * ddp.loss_scale).backward() if ddp.share.size else (pred.sum() * 0).backward()
+    torch.testing.assert_close(ddp.module.weight.grad, ref.weight.grad)
+    torch.testing.assert_close(ddp.module.bias.grad, ref.bias.grad)
+
+
+def _no_tensor_to_split():
+    """Nothing to split (every input has spec None): every rank runs it whole, rank 0's outputs count."""
+    _compare_with_full_batch(Losses, _xy(3), _losses_loss,
+                             dict(in_dims={"x": None, "y": None}, out_dims=("mean", "sum", 0)))
+
+
+def _expect_batch_error(ddp, *inputs, contains=()):
+    try:
+        ddp(*inputs)
+    except DistributedBatchError as exc:
+        msg = str(exc)
+        for rank in range(dist.get_world_size()):
+            assert f"rank {rank}" in msg, msg
+        for c in contains:
+            assert c in msg, msg
+        return msg
+    raise AssertionError("no DistributedBatchError")
+
+
+def _mismatched_batch():
+    rank = dist.get_rank()
+    ddp = dpfast.DistributedDataParallel(Losses().to(DT), out_dims=("mean", "sum", 0), gather_outputs=True)
+    _expect_batch_error(ddp, *_xy(4 + rank), contains=("B differs across ranks",))
+    # same B, another feature size on the last rank
+    x, y = _xy(4)
+    if rank == dist.get_world_size() - 1:
+        y = torch.randn(4, 3, dtype=DT)
+    _expect_batch_error(ddp, x, y, contains=("same B = 4",))
+    # the group is still usable afterwards
+    out = ddp(*_xy(4))
+    _losses_loss(out).backward()
+
+
+def _one_rank_bad_inputs():
+    rank = dist.get_rank()
+    ddp = dpfast.DistributedDataParallel(RRN().to(DT), in_dims={"h": 1}, out_dims=(0, 0, 1), gather_outputs=True)
+    x, hid, h = _rrn_inputs(5)
+    if rank == 1:
+        h = (h[0][:, :4], h[1])  # a ScatterError on rank 1 only: every rank must raise, none may hang
+    msg = _expect_batch_error(ddp, x, hid, h, contains=("rank 1 could not split its inputs",))
+    if rank == 1:
+        assert "suggested fix" in msg, msg
+
+
+def _mismatched_values():
+    rank = dist.get_rank()
+    ddp = dpfast.DistributedDataParallel(Losses().to(DT), out_dims=("mean", "sum", 0), check_batch="values")
+    x, y = _xy(4)
+    ddp(x, y)  # same values: fine
+    if rank == 0:
+        x = x + 1
+    _expect_batch_error(ddp, x, y, contains=("values",))
+
+
+def _shard_helpers():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    b = 7
+    x, hid, h = _rrn_inputs(b)
+    part = shard_batch((x, hid, h), in_dims=(0, 0, 1))  # rank/world from the process group
+    r = shard_range(b)
+    assert part[0].shape[0] == len(r)
+    torch.testing.assert_close(part[0], x[r.start: r.stop])
+    torch.testing.assert_close(part[2][1], h[1][:, r.start: r.stop])
+    # the shard of the batch is what DDP feeds the module on this rank
+    seen = {}
+
+    class Spy(RRN):
+        def forward(self, x, hidden, h):
+            seen["args"] = (x, hidden, h)
+            return super().forward(x, hidden, h)
+
+    ddp = dpfast.DistributedDataParallel(Spy().to(DT), in_dims={"h": 1}, out_dims=(0, 0, 1))
+    ddp(x, hid, h)
+    _assert_tree_close(seen["args"], part, "module inputs vs shard_batch")
+    assert shard_range(10, rank, world, chunk_sizes=[0] + [1] * (world - 1)) == (
+        range(0) if rank == 0 else shard_range(10, rank - 1, world - 1))
+    ds = shard_dataset(list(range(10)))
+    assert list(ds) == list(shard_range(10))
+
+
+# ---- the spawned group -------------------------------------------------------------------------------------------
+
+
+def _worker(rank, world, port, outdir):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    results = {}
+    try:
+        for name, fn in _scenarios(world).items():
+            try:
+                fn()
+                results[name] = None
+            except Exception:
+                results[name] = traceback.format_exc()
+            with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:  # written as we go: a hang still reports
+                json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _run_group(world):
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as outdir:
+        port = _free_port()
+        procs = [ctx.Process(target=_worker, args=(r, world, port, outdir), daemon=True) for r in range(world)]
+        try:
+            for p in procs:
+                p.start()
+            t0 = time.monotonic()
+            for p in procs:
+                p.join(max(0.0, GROUP_TIMEOUT_S - (time.monotonic() - t0)))
+            hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        results = {}
+        for r in range(world):
+            path = os.path.join(outdir, f"rank{r}.json")
+            results[r] = json.load(open(path)) if os.path.exists(path) else {}
+        codes = [p.exitcode for p in procs]
+    return results, hung, codes
+
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_group_ran_every_scenario(world):
+    results, hung, codes = _run_group(world)
+    assert not hung, f"ranks {hung} hung; results so far: {results}"
+    assert codes == [0] * world, f"exit codes {codes}"
+    for r in range(world):
+        assert set(results[r]) == set(_scenarios(world)), f"rank {r} ran {sorted(results[r])}"
+
+
+def _scenario_ids():
+    return [(w, name) for w in (2, 3) for name in _scenarios(w)]
+
+
+@pytest.mark.parametrize("world, name", _scenario_ids(), ids=[f"{w}ranks-{n}" for w, n in _scenario_ids()])
+def test_scenario(world, name):
+    results, _, _ = _run_group(world)
+    failures = {r: results[r].get(name, "did not run (see test_group_ran_every_scenario)") for r in range(world)}
+    failures = {r: f for r, f in failures.items() if f is not None}
+    assert not failures, "\n".join(f"--- rank {r} ---\n{f}" for r, f in failures.items())
+
+
+# ---- no process group needed -------------------------------------------------------------------------------------
+
+
+def test_shard_range_partitions_like_data_parallel():
+    for n in range(0, 12):
+        for world in (1, 2, 3, 5):
+            ranges = [shard_range(n, r, world) for r in range(world)]
+            assert [i for rg in ranges for i in rg] == list(range(n))
+            assert [len(rg) for rg in ranges] == dpfast._plan.split_sizes(n, world)
+
+
+def test_shard_batch_specs_and_errors():
+    x, hid, h = _rrn_inputs(5)
+    parts = [shard_batch({"x": x, "h": h, "mask": torch.ones(3, 3)}, r, 3, in_dims={"h": 1, "mask": None})
+             for r in range(3)]
+    assert [p["x"].shape[0] for p in parts] == [2, 2, 1]
+    assert [p["h"][0].shape[1] for p in parts] == [2, 2, 1]
+    assert all(p["mask"].shape == (3, 3) for p in parts)
+    torch.testing.assert_close(torch.cat([p["h"][1] for p in parts], 1), h[1])
+    assert shard_batch(x, 6, 8).shape == (0, 3, 3)  # B < world: an empty share
+    with pytest.raises(dpfast.ScatterError, match="suggested fix"):
+        shard_batch((x, h), 0, 2)
+    with pytest.raises(ValueError, match="rank and world_size"):
+        shard_batch(x)
+    with pytest.raises(ValueError, match="rank must be"):
+        shard_batch(x, 3, 3)
+
+
+def test_needs_a_process_group():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        dpfast.DistributedDataParallel(nn.Linear(2, 2))

@@ -6,6 +6,7 @@ once. ``DPFAST_REQUIRE_EXTENSION=1`` (set in CI) turns a missing extension into 
 
 from __future__ import annotations
 
+import importlib
 import os
 import warnings
 from types import ModuleType
@@ -22,7 +23,7 @@ C: Optional[ModuleType] = None
 LOAD_ERROR: Optional[str] = None
 
 try:
-    from dpfast import _C as C  # noqa: N812  (registers the ops as a side effect)
+    C = importlib.import_module("dpfast._C")  # registers torch.ops.dpfast.* as a side effect
 except ImportError as exc:  # also covers an ABI mismatch with the installed torch
     LOAD_ERROR = f"{type(exc).__name__}: {exc}"
     if os.environ.get("DPFAST_REQUIRE_EXTENSION", "0") not in ("", "0"):

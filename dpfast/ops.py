@@ -37,7 +37,10 @@ def as_device(d: DeviceLike) -> torch.device:
     if isinstance(d, int):
         return torch.device("cuda", d)
     if isinstance(d, (str, torch.device)):
-        return torch.device(d)
+        d = torch.device(d)
+        if d.type == "cuda" and d.index is None and torch.cuda.is_available():
+            d = torch.device("cuda", torch.cuda.current_device())  # so "cuda" and "cuda:0" compare equal
+        return d
     raise TypeError(f"expected a device (int, str or torch.device), got {type(d).__name__} {d!r}")
 
 
@@ -53,11 +56,14 @@ if LOADED:
 
     def transpose01(*tensors: Tensor) -> tuple[Tensor, ...]:
         """Each input (dim >= 2) as ``x.transpose(0, 1).contiguous()``, all in one kernel launch."""
-        return tuple(_transpose01(tensors))
+        # The dispatcher picks a kernel from the tensors, so an empty call never reaches C++.
+        return tuple(_transpose01(tensors)) if tensors else ()
 
     def split_contiguous(tensors: Sequence[Tensor], dim: int, sizes: Sequence[int]) -> list[list[Tensor]]:
         """``out[i][j]``: chunk ``j`` (``sizes[j]`` long along ``dim``) of ``tensors[i]``, contiguous; one launch."""
         sizes = list(sizes)
+        if not tensors:
+            return reference.split_contiguous(tensors, dim, sizes)
         return _unflatten(_split(tensors, dim, sizes), len(tensors), len(sizes))
 
     def scatter(
@@ -68,11 +74,15 @@ if LOADED:
         Chunks are packed on the source device in one launch, then copied asynchronously to their devices,
         ordered against the current streams of both. Backward gathers the gradients onto the source.
         """
-        sizes = list(sizes)
-        return _unflatten(_scatter(tensors, dim, sizes, [as_device(d) for d in devices]), len(tensors), len(sizes))
+        sizes, devices = list(sizes), [as_device(d) for d in devices]
+        if not tensors:
+            return reference.scatter(tensors, dim, sizes, devices)
+        return _unflatten(_scatter(tensors, dim, sizes, devices), len(tensors), len(sizes))
 
     def gather(chunks: Sequence[Tensor], dim: int, device: DeviceLike) -> Tensor:
         """Concatenate ``chunks`` along ``dim`` on ``device`` (the inverse of :func:`scatter`)."""
+        if not chunks:
+            return reference.gather(chunks, dim, device)  # raises the error that names the problem
         return _gather(chunks, dim, as_device(device))
 
     # ---- fake kernels: shapes, dtypes and devices only, for torch.compile / FakeTensor tracing ----

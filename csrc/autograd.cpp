@@ -1,0 +1,209 @@
+// Autograd for the list-taking ops, written as hand-made backward nodes: torch::autograd::Function does not
+// track tensors passed inside a TensorList, and registering autograd from Python would cost a Python round trip
+// on every call. Backward calls the ops through the dispatcher, so double backward works too.
+//
+// transpose01 <- transpose01;  split_contiguous, scatter <- gather (per input tensor);  gather <- scatter.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/WrapDimMinimal.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/library.h>
+
+#include <memory>
+#include <type_traits>
+
+namespace dpfast {
+namespace {
+
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+using NodePtr = decltype(torch::autograd::Edge::function);  // shared_ptr before torch 2.10, intrusive_ptr after
+
+template <class T, class... A>
+NodePtr make_node(A&&... args) {
+  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<Node>>) {
+    return std::make_shared<T>(std::forward<A>(args)...);
+  } else {
+    return c10::make_intrusive<T>(std::forward<A>(args)...);
+  }
+}
+
+using Transpose01Fn = std::vector<at::Tensor>(at::TensorList);
+using SplitFn = std::vector<at::Tensor>(at::TensorList, int64_t, c10::SymIntArrayRef);
+using ScatterFn = std::vector<at::Tensor>(at::TensorList, int64_t, c10::SymIntArrayRef, at::ArrayRef<c10::Device>);
+using GatherFn = at::Tensor(at::TensorList, int64_t, c10::Device);
+
+template <class Fn>
+c10::TypedOperatorHandle<Fn> op_handle(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
+}
+
+const c10::TypedOperatorHandle<Transpose01Fn>& transpose01_op() {
+  static const auto op = op_handle<Transpose01Fn>("dpfast::transpose01");
+  return op;
+}
+const c10::TypedOperatorHandle<SplitFn>& split_op() {
+  static const auto op = op_handle<SplitFn>("dpfast::split_contiguous");
+  return op;
+}
+const c10::TypedOperatorHandle<ScatterFn>& scatter_op() {
+  static const auto op = op_handle<ScatterFn>("dpfast::scatter");
+  return op;
+}
+const c10::TypedOperatorHandle<GatherFn>& gather_op() {
+  static const auto op = op_handle<GatherFn>("dpfast::gather");
+  return op;
+}
+
+// Connects outputs to `node`; integer and bool outputs carry no gradient.
+void attach(const std::vector<at::Tensor>& outs, const NodePtr& node) {
+  for (const at::Tensor& o : outs) {
+    if (torch::autograd::isDifferentiableType(o.scalar_type())) {
+      torch::autograd::set_history(o, node);
+    } else {
+      node->add_input_metadata(Node::undefined_input());
+    }
+  }
+}
+
+struct Transpose01Backward : Node {
+  std::string name() const override { return "dpfast::Transpose01Backward"; }
+  variable_list apply(variable_list&& grads) override {
+    std::vector<at::Tensor> defined;
+    for (size_t i = 0; i < grads.size(); ++i) {
+      if (grads[i].defined() && should_compute_output(i)) defined.push_back(grads[i]);
+    }
+    if (defined.empty()) return variable_list(grads.size());
+    auto moved = transpose01_op().call(defined);  // all gradients in one launch
+    variable_list out(grads.size());
+    for (size_t i = 0, k = 0; i < grads.size(); ++i) {
+      if (grads[i].defined() && should_compute_output(i)) out[i] = std::move(moved[k++]);
+    }
+    return out;
+  }
+};
+
+// Backward of split_contiguous and scatter: gradient of input i = gather of its chunks' gradients.
+struct SplitBackward : Node {
+  SplitBackward(std::string n, int64_t d, size_t chunks, std::vector<c10::Device> devs)
+      : op_name(std::move(n)), dim(d), n_chunks(chunks), source_devices(std::move(devs)) {}
+  std::string op_name;
+  int64_t dim;
+  size_t n_chunks;
+  std::vector<c10::Device> source_devices;  // one per input tensor
+
+  std::string name() const override { return op_name; }
+  variable_list apply(variable_list&& grads) override {
+    const size_t n_inputs = source_devices.size();
+    variable_list out(n_inputs);
+    for (size_t i = 0; i < n_inputs; ++i) {
+      if (!should_compute_output(i)) continue;
+      bool any = false;
+      for (size_t j = 0; j < n_chunks; ++j) any = any || grads[i * n_chunks + j].defined();
+      if (!any) continue;
+      std::vector<at::Tensor> parts;
+      parts.reserve(n_chunks);
+      for (size_t j = 0; j < n_chunks; ++j) {
+        const size_t idx = i * n_chunks + j;
+        parts.push_back(grads[idx].defined() ? grads[idx] : input_metadata(idx).zeros_like());
+      }
+      out[i] = gather_op().call(parts, dim, source_devices[i]);
+    }
+    return out;
+  }
+};
+
+struct GatherBackward : Node {
+  GatherBackward(int64_t d, std::vector<c10::SymInt> s, std::vector<c10::Device> devs)
+      : dim(d), sizes(std::move(s)), devices(std::move(devs)) {}
+  int64_t dim;
+  std::vector<c10::SymInt> sizes;
+  std::vector<c10::Device> devices;
+
+  std::string name() const override { return "dpfast::GatherBackward"; }
+  variable_list apply(variable_list&& grads) override {
+    if (!grads[0].defined()) return variable_list(sizes.size());
+    auto parts = scatter_op().call({grads[0]}, dim, sizes, devices);
+    return variable_list(std::make_move_iterator(parts.begin()), std::make_move_iterator(parts.end()));
+  }
+};
+
+std::vector<c10::Device> devices_of(at::TensorList xs) {
+  std::vector<c10::Device> devs;
+  devs.reserve(xs.size());
+  for (const at::Tensor& x : xs) devs.push_back(x.device());
+  return devs;
+}
+
+// ---- Autograd kernels: run the op below autograd, then record the backward node if any input needs it ----
+
+std::vector<at::Tensor> transpose01_autograd(at::TensorList xs) {
+  std::vector<at::Tensor> outs;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    outs = transpose01_op().call(xs);
+  }
+  if (torch::autograd::compute_requires_grad(xs)) {
+    auto node = make_node<Transpose01Backward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(xs));
+    attach(outs, node);
+  }
+  return outs;
+}
+
+std::vector<at::Tensor> split_contiguous_autograd(at::TensorList xs, int64_t dim, c10::SymIntArrayRef sizes) {
+  std::vector<at::Tensor> outs;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    outs = split_op().call(xs, dim, sizes);
+  }
+  if (torch::autograd::compute_requires_grad(xs)) {
+    auto node = make_node<SplitBackward>("dpfast::SplitContiguousBackward", dim, sizes.size(), devices_of(xs));
+    node->set_next_edges(torch::autograd::collect_next_edges(xs));
+    attach(outs, node);
+  }
+  return outs;
+}
+
+std::vector<at::Tensor> scatter_autograd(at::TensorList xs, int64_t dim, c10::SymIntArrayRef sizes,
+                                         at::ArrayRef<c10::Device> devices) {
+  std::vector<at::Tensor> outs;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    outs = scatter_op().call(xs, dim, sizes, devices);
+  }
+  if (torch::autograd::compute_requires_grad(xs)) {
+    auto node = make_node<SplitBackward>("dpfast::ScatterBackward", dim, sizes.size(), devices_of(xs));
+    node->set_next_edges(torch::autograd::collect_next_edges(xs));
+    attach(outs, node);
+  }
+  return outs;
+}
+
+at::Tensor gather_autograd(at::TensorList chunks, int64_t dim, c10::Device device) {
+  at::Tensor out;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    out = gather_op().call(chunks, dim, device);
+  }
+  if (torch::autograd::compute_requires_grad(chunks)) {
+    std::vector<c10::SymInt> sizes;
+    sizes.reserve(chunks.size());
+    for (const at::Tensor& c : chunks) sizes.push_back(c.sym_size(c10::maybe_wrap_dim(dim, c.dim())));
+    auto node = make_node<GatherBackward>(dim, std::move(sizes), devices_of(chunks));
+    node->set_next_edges(torch::autograd::collect_next_edges(chunks));
+    attach({out}, node);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dpfast, Autograd, m) {
+  m.impl("transpose01", &transpose01_autograd);
+  m.impl("split_contiguous", &split_contiguous_autograd);
+  m.impl("scatter", &scatter_autograd);
+  m.impl("gather", &gather_autograd);
+}
+
+}  // namespace dpfast

@@ -1,0 +1,133 @@
+// Batched strided byte copies: the single primitive behind every dpfast op.
+//
+// transpose01, split_contiguous, scatter (pack) and gather (unpack) are all "copy these N (src view, dst view)
+// pairs", so each op only builds views and one executor per device moves the bytes in one pass (one CUDA launch).
+// Copies are typeless: elements are moved as 1/2/4/8/16-byte units, widened to 16 bytes where the innermost
+// run and every address and stride allow it, which makes every dtype (bool, complex, ...) work bit-exactly.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define DPFAST_HD __host__ __device__ __forceinline__
+#else
+#define DPFAST_HD inline
+#endif
+
+namespace dpfast {
+
+constexpr int kMaxCopyDims = 6;  // dims left after coalescing; more falls back to Tensor::copy_
+
+struct CopyJob {
+  const char* src;
+  char* dst;
+  int64_t numel;                      // units to move
+  int64_t sizes[kMaxCopyDims];        // outermost first; sizes[ndim - 1] is the innermost, in units
+  int64_t src_strides[kMaxCopyDims];  // bytes
+  int64_t dst_strides[kMaxCopyDims];  // bytes
+  int32_t ndim;
+  int32_t unit;  // bytes per unit: 1, 2, 4, 8 or 16
+};
+
+// Byte offsets of unit `u` (row-major over job.sizes) in the source and the destination.
+DPFAST_HD void job_offsets(const CopyJob& job, int64_t u, int64_t& src_off, int64_t& dst_off) {
+  int64_t s = 0, d = 0;
+  for (int k = job.ndim - 1; k > 0; --k) {
+    const int64_t i = u % job.sizes[k];
+    u /= job.sizes[k];
+    s += i * job.src_strides[k];
+    d += i * job.dst_strides[k];
+  }
+  src_off = s + u * job.src_strides[0];
+  dst_off = d + u * job.dst_strides[0];
+}
+
+}  // namespace dpfast
+
+#if !defined(__CUDACC_RTC__)
+#include <ATen/core/Tensor.h>
+
+#include <utility>
+#include <vector>
+
+namespace dpfast {
+
+// What one launch moves: jobs for the executor, plus (rarely) pairs with too many non-mergeable dims.
+struct CopyBatch {
+  std::vector<CopyJob> jobs;
+  std::vector<std::pair<at::Tensor, at::Tensor>> fallback;  // (src, dst), copied with Tensor::copy_
+  int64_t bytes = 0;
+
+  // Queue the copy of `src` into `dst` (same shape and dtype, any strides, same device).
+  void add(const at::Tensor& src, const at::Tensor& dst) {
+    const int64_t n = src.numel();
+    if (n == 0) return;
+    const int64_t es = static_cast<int64_t>(src.element_size());
+    bytes += n * es;
+
+    // Dims of size 1 carry no information; then merge each dim into its inner neighbour when both sides
+    // are laid out contiguously across the pair, innermost first.
+    int64_t sz[64], ss[64], ds[64];
+    int nd = 0;
+    for (int64_t d = src.dim() - 1; d >= 0; --d) {
+      const int64_t size = src.size(d);
+      if (size == 1) continue;
+      const int64_t s_st = src.stride(d) * es, d_st = dst.stride(d) * es;
+      if (nd > 0 && s_st == ss[nd - 1] * sz[nd - 1] && d_st == ds[nd - 1] * sz[nd - 1]) {
+        sz[nd - 1] *= size;  // merged dim keeps the inner stride
+        continue;
+      }
+      sz[nd] = size;
+      ss[nd] = s_st;
+      ds[nd] = d_st;
+      ++nd;
+    }
+    if (nd == 0) {  // a single element
+      sz[0] = 1;
+      ss[0] = es;
+      ds[0] = es;
+      nd = 1;
+    }
+    if (nd > kMaxCopyDims) {
+      fallback.emplace_back(src, dst);
+      return;
+    }
+
+    // Widen the unit when the innermost run is contiguous on both sides and everything is aligned to it.
+    const auto sp = reinterpret_cast<uintptr_t>(src.const_data_ptr());
+    const auto dp = reinterpret_cast<uintptr_t>(dst.data_ptr());
+    int64_t unit = es;
+    if (ss[0] == es && ds[0] == es) {
+      for (int64_t w = 16; w > es; w /= 2) {
+        bool ok = (sz[0] * es) % w == 0 && sp % w == 0 && dp % w == 0;
+        for (int k = 1; ok && k < nd; ++k) ok = ss[k] % w == 0 && ds[k] % w == 0;
+        if (ok) {
+          unit = w;
+          break;
+        }
+      }
+      if (unit != es) {
+        sz[0] = sz[0] * es / unit;
+        ss[0] = unit;
+        ds[0] = unit;
+      }
+    }
+
+    CopyJob job{};
+    job.src = reinterpret_cast<const char*>(sp);
+    job.dst = reinterpret_cast<char*>(dp);
+    job.ndim = nd;
+    job.unit = static_cast<int32_t>(unit);
+    job.numel = 1;
+    for (int k = 0; k < nd; ++k) {  // sz/ss/ds are innermost-first; jobs are outermost-first
+      job.sizes[nd - 1 - k] = sz[k];
+      job.src_strides[nd - 1 - k] = ss[k];
+      job.dst_strides[nd - 1 - k] = ds[k];
+      job.numel *= sz[k];
+    }
+    jobs.push_back(job);
+  }
+};
+
+}  // namespace dpfast
+#endif

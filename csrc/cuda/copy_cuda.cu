@@ -1,0 +1,106 @@
+// The one CUDA kernel: every job of a batch (all tensors, all chunks) in a single launch. Each thread walks
+// the jobs in order and grid-strides over each job's units, so loads and stores of neighbouring threads are
+// neighbouring 16-byte units whenever the innermost run allows it. Up to kInlineJobs jobs travel in the
+// kernel's parameter space (no extra copy); more are staged in device memory by one async copy.
+#include "copy_cuda.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace dpfast {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kInlineJobs = 16;  // 16 * sizeof(CopyJob) stays under the 4 KB kernel-parameter limit
+constexpr int kBlocksPerSM = 8;
+
+struct InlineJobs {
+  CopyJob jobs[kInlineJobs];
+};
+static_assert(sizeof(InlineJobs) + sizeof(int) <= 4096, "kernel parameters must fit in 4 KB");
+
+__device__ __forceinline__ void move_unit(const char* s, char* d, int unit) {
+  switch (unit) {
+    case 16: *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(s); break;
+    case 8: *reinterpret_cast<uint2*>(d) = *reinterpret_cast<const uint2*>(s); break;
+    case 4: *reinterpret_cast<uint32_t*>(d) = *reinterpret_cast<const uint32_t*>(s); break;
+    case 2: *reinterpret_cast<uint16_t*>(d) = *reinterpret_cast<const uint16_t*>(s); break;
+    default: *d = *s; break;
+  }
+}
+
+__device__ __forceinline__ void run_jobs(const CopyJob* jobs, int n_jobs) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int k = 0; k < n_jobs; ++k) {
+    const CopyJob& job = jobs[k];
+    if (job.ndim == 1) {  // a flat run (split along dim 0, contiguous chunks): no index math at all
+      const int64_t ss = job.src_strides[0], ds = job.dst_strides[0];
+      for (int64_t u = first; u < job.numel; u += stride) move_unit(job.src + u * ss, job.dst + u * ds, job.unit);
+      continue;
+    }
+    for (int64_t u = first; u < job.numel; u += stride) {
+      int64_t so, dso;
+      job_offsets(job, u, so, dso);
+      move_unit(job.src + so, job.dst + dso, job.unit);
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) copy_inline_kernel(const __grid_constant__ InlineJobs batch, int n) {
+  run_jobs(batch.jobs, n);
+}
+
+__global__ void __launch_bounds__(kThreads) copy_global_kernel(const CopyJob* __restrict__ jobs, int n) {
+  run_jobs(jobs, n);
+}
+
+int sm_count(int device) {
+  static int cache[64] = {0};
+  if (device < 0 || device >= 64) device = 0;
+  if (cache[device] == 0) {
+    int n = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    cache[device] = std::max(n, 1);
+  }
+  return cache[device];
+}
+
+}  // namespace
+
+void run_copies_cuda(const CopyBatch& batch) {
+  const auto& jobs = batch.jobs;
+  if (!jobs.empty()) {
+    int64_t widest = 1;
+    for (const CopyJob& j : jobs) widest = std::max(widest, j.numel);
+    const int device = c10::cuda::current_device();
+    const int64_t want = (widest + kThreads - 1) / kThreads;
+    const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, sm_count(device) * kBlocksPerSM)));
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+    const int n = static_cast<int>(jobs.size());
+    if (n <= kInlineJobs) {
+      InlineJobs inline_jobs;
+      std::memcpy(inline_jobs.jobs, jobs.data(), n * sizeof(CopyJob));
+      copy_inline_kernel<<<blocks, kThreads, 0, stream>>>(inline_jobs, n);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    } else {
+      // A pageable-to-device async copy returns once the host buffer is staged, so `jobs` may die after it;
+      // the device buffer returns to the caching allocator on this stream, after the kernel.
+      const size_t bytes = jobs.size() * sizeof(CopyJob);
+      at::Tensor staged = at::empty({static_cast<int64_t>(bytes)},
+                                    at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device));
+      C10_CUDA_CHECK(cudaMemcpyAsync(staged.data_ptr(), jobs.data(), bytes, cudaMemcpyHostToDevice, stream));
+      copy_global_kernel<<<blocks, kThreads, 0, stream>>>(reinterpret_cast<const CopyJob*>(staged.data_ptr()), n);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  }
+  for (const auto& [src, dst] : batch.fallback) dst.copy_(src);
+}
+
+}  // namespace dpfast

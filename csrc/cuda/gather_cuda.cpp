@@ -1,0 +1,39 @@
+// Host side of gather when any chunk is on a GPU: bring foreign chunks to the target device (async
+// device-to-device copies; blocking when the target is the CPU, whose kernel reads them at once), then join
+// everything in one launch there.
+#include "../gather.h"
+#include "../cpu/copy_cpu.h"
+#include "copy_cuda.h"
+
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+namespace dpfast {
+
+at::Tensor gather_cuda(at::TensorList chunks, int64_t dim, c10::Device device) {
+  std::vector<int64_t> shape;
+  const int64_t d = gather_check(chunks, dim, shape);
+  c10::Device target = device;
+  if (target.is_cuda() && !target.has_index()) target = c10::Device(c10::kCUDA, c10::cuda::current_device());
+  const bool to_cpu = !target.is_cuda();
+  std::vector<at::Tensor> local;
+  local.reserve(chunks.size());
+  for (const at::Tensor& c : chunks) {
+    local.push_back(c.device() == target ? c : c.to(target, /*non_blocking=*/!to_cpu));
+  }
+  at::Tensor out = at::empty(shape, chunks[0].options().device(target));
+  CopyBatch batch;
+  gather_plan(local, d, out, batch);
+  if (to_cpu) {
+    run_copies_cpu(batch);
+  } else {
+    const c10::cuda::CUDAGuard guard(target);
+    run_copies_cuda(batch);
+  }
+  return out;
+}
+
+TORCH_LIBRARY_IMPL(dpfast, CUDA, m) { m.impl("gather", &gather_cuda); }
+
+}  // namespace dpfast

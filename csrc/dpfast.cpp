@@ -1,0 +1,40 @@
+// Op schemas and the Python module dpfast._C. Kernels live in csrc/cpu and csrc/cuda, autograd in autograd.cpp.
+#include <Python.h>
+#include <torch/library.h>
+
+#ifndef DPFAST_CUDA_ARCH_LIST
+#define DPFAST_CUDA_ARCH_LIST ""
+#endif
+#ifndef DPFAST_BUILT_WITH_TORCH
+#define DPFAST_BUILT_WITH_TORCH "unknown"
+#endif
+#ifndef DPFAST_BUILD_REASON
+#define DPFAST_BUILD_REASON ""
+#endif
+
+// `import dpfast._C` loads this library, which registers the ops below as a side effect. The module itself only
+// carries build facts for dpfast.build_info(); no pybind11 is needed.
+PyMODINIT_FUNC PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", "dpfast fused data-movement ops", -1,
+                                          nullptr};
+  PyObject* m = PyModule_Create(&module_def);
+  if (m == nullptr) return nullptr;
+#ifdef DPFAST_WITH_CUDA
+  PyModule_AddIntConstant(m, "cuda_kernels_compiled", 1);
+#else
+  PyModule_AddIntConstant(m, "cuda_kernels_compiled", 0);
+#endif
+  PyModule_AddStringConstant(m, "cuda_arch_list", DPFAST_CUDA_ARCH_LIST);
+  PyModule_AddStringConstant(m, "built_with_torch", DPFAST_BUILT_WITH_TORCH);
+  PyModule_AddStringConstant(m, "build_reason", DPFAST_BUILD_REASON);
+  return m;
+}
+
+TORCH_LIBRARY(dpfast, m) {
+  // Fake kernels are registered from Python; this tells torch where to find them.
+  m.impl_abstract_pystub("dpfast.ops");  // set_python_module in torch >= 2.5; this name works on 2.4 too
+  m.def("transpose01(Tensor[] xs) -> Tensor[]");
+  m.def("split_contiguous(Tensor[] xs, int dim, SymInt[] sizes) -> Tensor[]");
+  m.def("scatter(Tensor[] xs, int dim, SymInt[] sizes, Device[] devices) -> Tensor[]");
+  m.def("gather(Tensor[] chunks, int dim, Device device) -> Tensor");
+}

@@ -1,0 +1,42 @@
+// gather: concatenate chunks along dim on one device (the inverse of scatter).
+#pragma once
+
+#include "checks.h"
+#include "copy_plan.h"
+
+#include <ATen/ops/empty.h>
+
+namespace dpfast {
+
+// Validates the chunks and returns the wrapped dim and the output shape.
+inline int64_t gather_check(at::TensorList chunks, int64_t dim, std::vector<int64_t>& out_shape) {
+  constexpr const char* op = "gather";
+  TORCH_CHECK_VALUE(!chunks.empty(), op, ": chunks is empty; give at least one tensor to concatenate");
+  check_defined(op, "chunks", chunks);
+  const at::Tensor& ref = chunks[0];
+  const int64_t d = wrap_dim(op, "chunks", 0, ref, dim);
+  out_shape = ref.sizes().vec();
+  out_shape[d] = 0;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const at::Tensor& c = chunks[i];
+    wrap_dim(op, "chunks", i, c, dim);
+    bool same = c.dim() == ref.dim() && c.scalar_type() == ref.scalar_type();
+    for (int64_t k = 0; same && k < c.dim(); ++k) same = k == d || c.size(k) == ref.size(k);
+    TORCH_CHECK_VALUE(same, op, ": chunks[", i, "] has shape ", shape_str(c.sizes()), " and dtype ", c.scalar_type(),
+                      " but chunks[0] has ", shape_str(ref.sizes()), " and ", ref.scalar_type(),
+                      "; chunks must agree in dtype and in every dim except ", dim);
+    out_shape[d] += c.size(d);
+  }
+  return d;
+}
+
+// Queues the copy of each (already local) chunk into its slice of `out`.
+inline void gather_plan(at::TensorList local_chunks, int64_t d, const at::Tensor& out, CopyBatch& batch) {
+  int64_t offset = 0;
+  for (const at::Tensor& c : local_chunks) {
+    batch.add(c, out.narrow(d, offset, c.size(d)));
+    offset += c.size(d);
+  }
+}
+
+}  // namespace dpfast

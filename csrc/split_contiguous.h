@@ -1,0 +1,31 @@
+// split_contiguous: chunk j of xs[i] along dim, contiguous; out is flat and tensor-major (i * n_chunks + j).
+#pragma once
+
+#include "checks.h"
+#include "copy_plan.h"
+
+#include <ATen/ops/empty.h>
+
+namespace dpfast {
+
+// Allocates every chunk on `xs`' device and queues its copy.
+inline std::vector<at::Tensor> split_plan(const char* op, at::TensorList xs, int64_t dim,
+                                          c10::SymIntArrayRef sym_sizes, CopyBatch& batch) {
+  std::vector<int64_t> sizes;
+  const int64_t d = check_split(op, xs, dim, sym_sizes, sizes);
+  std::vector<at::Tensor> outs;
+  outs.reserve(xs.size() * sizes.size());
+  for (const at::Tensor& x : xs) {
+    int64_t offset = 0;
+    for (int64_t s : sizes) {
+      at::Tensor src = x.narrow(d, offset, s);
+      at::Tensor out = at::empty(src.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+      batch.add(src, out);
+      outs.push_back(std::move(out));
+      offset += s;
+    }
+  }
+  return outs;
+}
+
+}  // namespace dpfast

@@ -1,0 +1,29 @@
+// transpose01: out[i] = xs[i].transpose(0, 1).contiguous(), every tensor in one batch of copies.
+#pragma once
+
+#include "checks.h"
+#include "copy_plan.h"
+
+#include <ATen/ops/empty.h>
+
+namespace dpfast {
+
+inline std::vector<at::Tensor> transpose01_plan(at::TensorList xs, CopyBatch& batch) {
+  constexpr const char* op = "transpose01";
+  check_defined(op, "tensors", xs);
+  check_same_device(op, xs);
+  std::vector<at::Tensor> outs;
+  outs.reserve(xs.size());
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const at::Tensor& x = xs[i];
+    TORCH_CHECK_VALUE(x.dim() >= 2, op, ": tensors[", i, "] has shape ", shape_str(x.sizes()), " (", x.dim(),
+                      " dims); every tensor needs at least 2 dims to swap dims 0 and 1");
+    at::Tensor src = x.transpose(0, 1);
+    at::Tensor out = at::empty(src.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+    batch.add(src, out);
+    outs.push_back(std::move(out));
+  }
+  return outs;
+}
+
+}  // namespace dpfast

@@ -41,6 +41,10 @@ gradient. (Summing rather than scaling by ``W`` locally keeps this right even if
 the gradient is then that of their mean.) Every rank must use the gathered outputs the same way (each gathered
 output either in every rank's loss or in none) and call ``backward``: the gather's backward is a collective.
 
+Gradients w.r.t. the call's tensor inputs (those with ``requires_grad``, e.g. a learned initial state) are
+averaged over ranks like the parameters' (one all-reduce in backward, through :class:`_AverageInputGrads`), so with
+``gather_outputs`` every rank's ``x.grad`` is the full-batch one too.
+
 Without ``gather_outputs`` you get this rank's outputs and DDP's usual semantics: gradients are averaged over ranks.
 For a per-sample-mean loss on uneven shares, multiply the local loss by :attr:`DistributedDataParallel.loss_scale`
 (``W · n_r / B``) to get exactly the full-batch gradient.
@@ -98,7 +102,7 @@ class Share(NamedTuple):
 
 
 def _take(tree: ArgumentTree, mapped: Sequence[Mapped], start: int, length: int, sizes: Sequence[int],
-          index: int) -> tuple[tuple, dict]:
+          index: int, subs: Optional[dict] = None) -> tuple[tuple, dict]:
     """The call's ``(args, kwargs)`` with every mapped leaf cut to rows ``start:start+length`` along its axis.
 
     Tensors are narrowed (a view when the axis is 0, else made contiguous); PackedSequences are split by sequence in
@@ -106,18 +110,20 @@ def _take(tree: ArgumentTree, mapped: Sequence[Mapped], start: int, length: int,
     spec ``None`` included, is passed as given.
     """
     by_leaf = {id(m.leaf): m for m in mapped}
+    subs = subs or {}
     values = []
     for leaf in tree.leaves:
         m = by_leaf.get(id(leaf))
+        value = subs.get(id(leaf), leaf.value)  # (DDP: the input as seen through _AverageInputGrads)
         if m is None:
-            values.append(leaf.value)
+            values.append(value)
         elif m.is_packed:
             if length == 0:
                 raise ValueError(f"`{leaf.path}` is a PackedSequence, which cannot hold zero sequences")
             ps = leaf.value
             values.append(scatter_packed(ps, list(sizes), [ps.data.device] * len(sizes))[index])
         else:
-            v = leaf.value.narrow(m.axis, start, length)
+            v = value.narrow(m.axis, start, length)
             values.append(v if m.axis == 0 else v.contiguous())
     return tree.rebuild(values)
 
@@ -222,6 +228,43 @@ class _Exchange(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         return (None,) + tuple(ctx.plan.backward(grads))
+
+
+class _AverageInputGrads(torch.autograd.Function):
+    """Identity on the call's tensor inputs that require grad; backward averages their gradients over ranks.
+
+    Rank ``r`` only differentiates through its own rows, so its gradient w.r.t. a global-batch input is partial;
+    averaging (one all-reduce for all inputs, before they are sliced, so shapes agree) gives every rank the same
+    gradient DDP gives the parameters: with ``gather_outputs`` the full-batch one (each rank's share carries the
+    factor ``W``, see the module docstring), without it the mean over ranks of their local gradients.
+    """
+
+    @staticmethod
+    def forward(ctx, group, world, comm_device, *tensors):
+        ctx.group, ctx.world, ctx.comm_device = group, world, comm_device
+        ctx.meta = [(t.shape, t.dtype, t.device) for t in tensors]
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        out: list = [None] * len(grads)
+        by_dtype: dict = {}
+        for i, (shape, dtype, device) in enumerate(ctx.meta):
+            by_dtype.setdefault(dtype, []).append(i)
+        for dtype, idx in by_dtype.items():
+            flat = [(grads[i] if grads[i] is not None else torch.zeros(ctx.meta[i][0], dtype=dtype))
+                    .reshape(-1).to(ctx.comm_device) for i in idx]
+            buf = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
+            if buf.numel():
+                dist.all_reduce(buf, group=ctx.group)
+            buf /= ctx.world
+            o = 0
+            for i in idx:
+                shape, _, device = ctx.meta[i]
+                n = math.prod(shape)
+                out[i] = buf[o: o + n].view(shape).to(device)
+                o += n
+        return (None, None, None) + tuple(out)
 
 
 class _ExchangePlan:
@@ -448,42 +491,54 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             raise local_error
 
         W, r = self._world, self._rank
+        subs = self._average_input_grads(tree)
         if batch:  # B > 0: split by the plan DataParallel would make over W devices
             sizes = split_sizes(batch, W, self._weights)
             start = sum(sizes[:r])
             self.share = Share(r, W, batch, tuple(sizes), start, start + sizes[r])
             self._ghost = None
             try:
-                args, kw = _take(tree, mapped, start, sizes[r], sizes, r)
+                args, kw = _take(tree, mapped, start, sizes[r], sizes, r, subs)
             except ValueError:  # an empty share of a PackedSequence: straight to the ghost
                 args, kw = inputs, kwargs
-                self._ghost = (tree, mapped, sizes, False)
+                self._ghost = (tree, mapped, sizes, False, subs)
             else:
                 if not sizes[r]:
-                    self._ghost = (tree, mapped, sizes, True)
+                    self._ghost = (tree, mapped, sizes, True, subs)
         else:  # nothing to split, or B == 0: every rank runs the whole input; rank 0's outputs count
             sizes = []
             self.share = Share(r, W, batch, (), 0, batch or 0)
-            args, kw = inputs, kwargs
+            args, kw = _take(tree, [], 0, 0, [], 0, subs) if subs else (inputs, kwargs)
             self._ghost = None
         outputs = super().forward(*args, **kw)
         if not self.gather_outputs:
             return outputs
         return self._gather(outputs)
 
+    def _average_input_grads(self, tree: ArgumentTree) -> dict:
+        """The call's tensor inputs that require grad, seen through one :class:`_AverageInputGrads` node."""
+        if not torch.is_grad_enabled():
+            return {}
+        leaves = [leaf for leaf in tree.leaves if isinstance(leaf.value, Tensor) and leaf.value.requires_grad]
+        if not leaves:
+            return {}
+        views = _AverageInputGrads.apply(self.process_group, self._world, self._comm_device,
+                                         *[leaf.value for leaf in leaves])
+        return {id(leaf): v for leaf, v in zip(leaves, views)}
+
     def _run_ddp_forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Inside torch's DDP forward (between its pre- and post-forward): an empty share runs an empty slice, or
         a ghost when the module refuses an empty batch."""
         if self._ghost is None:
             return super()._run_ddp_forward(*inputs, **kwargs)
-        tree, mapped, sizes, try_empty = self._ghost
+        tree, mapped, sizes, try_empty, subs = self._ghost
         if try_empty:  # `inputs` is the empty slice, already moved to the device by DDP's pre-forward
             try:
                 return super()._run_ddp_forward(*inputs, **kwargs)
             except Exception:  # the module cannot take B = 0: run one real sample below, and count none of it
                 pass
         ghost_sizes = [1] + [0] * (len(sizes) - 1)
-        args, kw = _take(tree, mapped, 0, 1, ghost_sizes, 0)
+        args, kw = _take(tree, mapped, 0, 1, ghost_sizes, 0, subs)
         if self.device_ids:  # as DDP's pre-forward moves inputs
             moved_args, moved_kw = _to_kwargs(args, kw, torch.device(self.device_type, self.device_ids[0]),
                                               self.use_side_stream_for_tensor_copies)
@@ -533,13 +588,13 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 if m.is_packed:
                     items.append((leaf.path, "packed", m.size, str(v.data.dtype), tuple(v.data.shape[1:])))
                 else:
-                    items.append((leaf.path, repr(leaf.spec), tuple(v.shape), str(v.dtype)))
+                    items.append((leaf.path, repr(leaf.spec), tuple(v.shape), str(v.dtype), v.requires_grad))
                 if self.check_batch == "values":
                     t = (v.data if m.is_packed else v).detach().contiguous().cpu()
                     items.append(hashlib.blake2b(t.reshape(-1).view(torch.uint8).numpy().tobytes(),
                                                  digest_size=8).hexdigest())
             else:
-                kind = "tensor" if isinstance(v, Tensor) else type(v).__name__
+                kind = f"tensor(requires_grad={v.requires_grad})" if isinstance(v, Tensor) else type(v).__name__
                 items.append((leaf.path, repr(leaf.spec), kind))
         status = 1 if error is not None else 0
         mine = torch.tensor([status, -1 if batch is None else batch, _fingerprint(items)], dtype=torch.int64,

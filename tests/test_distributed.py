@@ -129,22 +129,38 @@ def _assert_tree_close(actual, expected, what):
             assert a == pytest.approx(e), f"{what} leaf {i}: {a} != {e}"
 
 
-def _compare_with_full_batch(factory, inputs, loss_fn, ddp_kwargs):
-    """One DDP step on the global batch vs the plain module on the whole batch: gathered outputs and gradients."""
+def _leaf_copies(inputs):
+    """The inputs with every tensor a fresh leaf that requires grad (to compare input gradients too)."""
+    return torch.utils._pytree.tree_map(lambda t: t.detach().clone().requires_grad_(), inputs)
+
+
+def _compare_with_full_batch(factory, inputs, loss_fn, ddp_kwargs, steps=1):
+    """DDP on the global batch vs the plain module on the whole batch: gathered outputs, and the gradients of every
+    parameter and every input. ``steps > 1`` feeds the gathered outputs back in (the RRN's reasoning loop)."""
     torch.manual_seed(0)
     module = factory().to(DT)
     ref = copy.deepcopy(module)
-    expected = ref(*inputs)
-    loss_fn(expected).backward()
-
     ddp = dpfast.DistributedDataParallel(module, gather_outputs=True, **ddp_kwargs)
-    outputs = ddp(*inputs)
+    in_ref, in_ddp = _leaf_copies(inputs), _leaf_copies(inputs)
+
+    def run(net, args):
+        outs = []
+        for _ in range(steps):
+            out = net(*args)
+            outs.append(out)
+            args = (args[0],) + tuple(out[1:])  # (x, hidden, h) <- (x, returned hidden, returned h)
+        return outs
+
+    expected, outputs = run(ref, in_ref), run(ddp, in_ddp)
     _assert_tree_close(outputs, expected, "gathered outputs")
-    loss_fn(outputs).backward()
+    sum(loss_fn(o) for o in expected).backward()
+    sum(loss_fn(o) for o in outputs).backward()
     got, want = _grads(ddp.module), _grads(ref)
     for name in want:
         assert got[name] is not None, f"{name}: no gradient"
         torch.testing.assert_close(got[name], want[name], msg=lambda m: f"grad of {name}: {m}")
+    _assert_tree_close(torch.utils._pytree.tree_map(lambda t: t.grad, in_ddp),
+                       torch.utils._pytree.tree_map(lambda t: t.grad, in_ref), "input gradients")
     return ddp
 
 
@@ -155,7 +171,8 @@ def _scenarios(world):
     out = {}
     for b in BATCHES[world]:
         out[f"rrn_B{b}"] = functools.partial(
-            _compare_with_full_batch, RRN, _rrn_inputs(b), _rrn_loss, dict(in_dims={"h": 1}, out_dims=(0, 0, 1)))
+            _compare_with_full_batch, RRN, _rrn_inputs(b), _rrn_loss, dict(in_dims={"h": 1}, out_dims=(0, 0, 1)),
+            steps=2)
         out[f"losses_B{b}"] = functools.partial(
             _compare_with_full_batch, Losses, _xy(b), _losses_loss, dict(out_dims=("mean", "sum", 0)))
         out[f"local_loss_scale_B{b}"] = functools.partial(_local_loss_scale, b)

@@ -117,6 +117,9 @@ def _tensors(obj: Any) -> Iterable[Optional[Tensor]]:
 
 def show_scatter_error(report: Report, dp: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[str]:
     """Call ``dp`` expecting :class:`dpfast.ScatterError`; print it and return its message (None if not raised)."""
+    if len(dp.device_ids) < 2:  # one device: like torch, nothing is split, so nothing can be split wrongly
+        report.say("(one device: nothing is split, so there is no error to show; try --devices cpu:4)")
+        return "one device"
     try:
         dp(*args, **kwargs)
     except dpfast.ScatterError as exc:

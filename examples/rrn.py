@@ -307,7 +307,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   "the state back)")
     ok = check_against_plain(model, device_ids, x, target, cfg.reasoning_steps, report)
     ok = ok and error is not None and all(map(lambda v: v == v, losses))  # the loss is never NaN
-    print(f"[rrn] {'PASS' if ok else 'FAIL'}: ScatterError without the spec, {len(losses)} training steps "
+    print(f"[rrn] {'PASS' if ok else 'FAIL'}: {'one device, nothing split' if error == 'one device' else 'ScatterError without the spec'}, {len(losses)} training steps "
           f"(loss {losses[0]:.3f} -> {losses[-1]:.3f}), {report.passed} equality checks"
           + ("" if ok else f"; failures: {report.failures}"))
     return 0 if ok else 1

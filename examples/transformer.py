@@ -318,7 +318,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ok = check_against_plain(model, device_ids, X, y, report)
     ok &= check_against_plain(model, device_ids, X, y, report, call_with_keywords=False)
     ok = ok and error is not None and all(v == v for v in losses)  # the loss is never NaN
-    print(f"[transformer] {'PASS' if ok else 'FAIL'}: ScatterError without the spec, {len(losses)} training steps "
+    print(f"[transformer] {'PASS' if ok else 'FAIL'}: {'one device, nothing split' if error == 'one device' else 'ScatterError without the spec'}, {len(losses)} training steps "
           f"(loss {losses[0]:.3f} -> {losses[-1]:.3f}), {report.passed} equality checks"
           + ("" if ok else f"; failures: {report.failures}"))
     return 0 if ok else 1

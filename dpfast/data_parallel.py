@@ -13,9 +13,9 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
-from ._execute import run_replicas
+from ._execute import _Pool, run_replicas
 from ._plan import Plan, check_batch, choose_batch, mapped_leaves, plan_rows, split_sizes, validate_chunk_sizes
-from ._replicas import check_module_device, replicate
+from ._replicas import ReplicaCache, check_module_device
 from ._specs import ArgumentSpecs, ArgumentTree, Spec, validate_spec
 from ._transfer import gather_outputs, move_tree, scatter_tree
 
@@ -80,7 +80,12 @@ class DataParallel(nn.Module):
         * A 0-dim output under an int spec is stacked into ``(n_replicas_run,)``, like torch. With a single
           device the module is called directly and its output returned as is, also like torch.
         * Non-tensors under the default ``dim`` reach every replica by reference; under an explicit int spec they
-          are an error. A ``PackedSequence`` under an int spec is split by sequence, in the caller's order.
+          are an error. A ``PackedSequence`` under an int spec is split by sequence, in the caller's order, and
+          packed outputs are merged back by sequence. Dataclasses, namedtuples and dict subclasses keep their type
+          on the way in and out; a dataclass spec is a dict keyed by field names or an instance of that dataclass.
+        * Non-tensor outputs under an int spec come back once when every replica returned an equal value,
+          otherwise as a list with one value per replica.
+        * Inputs must be on the CPU or on devices of device_ids' type; anything else is refused before copying.
     """
 
     def __init__(
@@ -150,6 +155,10 @@ class DataParallel(nn.Module):
         self.device_ids = [_public(d) for d in devices]
         self.output_device = _public(out)
         self.src_device_obj = devices[0]
+        # persistent replicas (copies on other devices, refreshed each step) and workers (one per slot after the
+        # first); both go with this instance (deleting it stops the workers) and start afresh in a deep copy
+        self._replicas = ReplicaCache()
+        self._pool = _Pool(max_idle=len(devices) - 1)
         if len(devices) == 1:
             self.module.to(devices[0])  # as torch does for a single device
 
@@ -194,8 +203,11 @@ class DataParallel(nn.Module):
         devices = [d for d, _ in active]
         chunk = [s for _, s in active]
         inputs_per_replica = scatter_tree(tree, mapped, chunk, devices)
-        modules = replicate(self.module, source, devices)
-        outputs = run_replicas(modules, inputs_per_replica, devices)
+        modules, done = self._replicas.replicate(self.module, source, devices)
+        try:
+            outputs = run_replicas(modules, inputs_per_replica, devices, self._pool)
+        finally:
+            done()
         return gather_outputs(outputs, self.out_dims, self.dim, self._output_device, chunk)
 
     def plan(self, *inputs: Any, **kwargs: Any) -> Plan:

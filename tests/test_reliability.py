@@ -321,8 +321,6 @@ CTOR_ROWS = [
 
 @pytest.mark.parametrize("kwargs, exc, pattern", [r[1:] for r in CTOR_ROWS], ids=[r[0] for r in CTOR_ROWS])
 def test_bad_constructor_arguments(kwargs, exc, pattern):
-    if "cuda" in str(kwargs.get("device_ids")) and torch.cuda.is_available() and "mixed" not in pattern:
-        pytest.skip("CUDA is available")
     with pytest.raises(exc, match=pattern):
         _ctor(**kwargs)
 
@@ -378,9 +376,8 @@ def test_bad_inputs_refused_before_the_module_runs(in_dims, args, kwargs, exc, p
     assert module.calls == 0
 
 
+@pytest.mark.cuda
 def test_cuda_tensor_in_cpu_rehearsal_is_refused():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
     module = Counting()
     with pytest.raises(ValueError, match=r"`x` is on cuda:0, but device_ids are \['cpu', 'cpu'\]"):
         dpfast.DataParallel(module, ["cpu"] * 2)(torch.zeros(4, 3, device="cuda"))

@@ -89,10 +89,6 @@ def _exit_code(result: object) -> int:
 # ---- info -------------------------------------------------------------------------------------------------------------
 
 
-def _arch_of(major: int, minor: int) -> str:
-    return f"{major}.{minor}"
-
-
 def _covers(arch_list: Optional[str], major: int, minor: int) -> Optional[bool]:
     """Whether TORCH_CUDA_ARCH_LIST-style ``arch_list`` ("8.0;9.0+PTX") has code that runs on sm_<major><minor>."""
     if not arch_list:

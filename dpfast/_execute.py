@@ -8,9 +8,14 @@ replica runs inline and its exceptions propagate unchanged.
 Why a pool: torch's parallel_apply starts fresh threads every step, and a fresh thread pays for its first ATen
 call (intra-op thread-pool setup): measured here, ~3 ms per step for two replicas of a small Linear against
 ~0.2 ms on reused threads. Workers are daemon threads that sit idle between calls; a call returns or raises only
-after every one of its tasks has finished, so no work is ever left running behind it. The pool is per process
-(rebuilt after a fork) and grows only when all workers are busy (nested or concurrent calls), so it cannot
-deadlock.
+after every one of its tasks has finished, so no work is ever left running behind it.
+
+Each ``DataParallel`` owns a :class:`_Pool` that keeps at most one idle worker per device slot after the first
+(slot 0 runs in the caller). It grows past that only while all its workers are busy (the same instance called from
+several threads at once, or nested calls), so it cannot deadlock, and the extra workers exit when their task ends.
+Workers hold only a weak reference to their pool: when the owner is deleted the pool is collected and its
+finalizer stops the idle workers (and, via ``weakref.finalize``'s exit hook, at interpreter exit). A pool is per
+process: after a fork it starts afresh.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import contextlib
 import os
 import queue
 import threading
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -85,7 +91,8 @@ def _wrap(exc: BaseException, index: int, device: torch.device, n_failed: int) -
 
 
 def run_replicas(
-    modules: Sequence[nn.Module], inputs: Sequence[tuple[tuple, dict]], devices: Sequence[torch.device]
+    modules: Sequence[nn.Module], inputs: Sequence[tuple[tuple, dict]], devices: Sequence[torch.device],
+    pool: Optional["_Pool"] = None,
 ) -> list[Any]:
     """``modules[i](*inputs[i][0], **inputs[i][1])`` for every ``i``, concurrently; results in replica order."""
     n = len(modules)
@@ -108,9 +115,11 @@ def run_replicas(
 
     done = [threading.Event() for _ in range(1, n)]
     started = 0
+    if pool is None:
+        pool = _POOL
     try:
         for i in range(1, n):
-            _POOL.submit(lambda i=i: work(i), done[i - 1])
+            pool.submit(lambda i=i: work(i), done[i - 1])
             started += 1
         work(0)
     finally:
@@ -145,7 +154,7 @@ def run_replicas(
 class _Worker(threading.Thread):
     def __init__(self, pool: "_Pool", name: str):
         super().__init__(name=name, daemon=True)
-        self.pool = pool
+        self.pool = weakref.ref(pool)  # the owner's deletion must be able to collect the pool
         self.tasks: "queue.SimpleQueue[Optional[tuple[Callable[[], None], threading.Event]]]" = queue.SimpleQueue()
 
     def run(self) -> None:
@@ -154,43 +163,69 @@ class _Worker(threading.Thread):
             if item is None:
                 return
             fn, done = item
+            item = None
             try:
                 fn()
             except BaseException:  # pragma: no cover - run_replicas' work() stores every exception itself
                 pass
             finally:
-                keep = self.pool._release(self)
+                fn = None  # the task's closure (its inputs and outputs) must not stay alive in an idle worker
+                pool = self.pool()
+                keep = pool is not None and pool._release(self)
+                pool = None
                 done.set()
             if not keep:
                 return
 
 
+def _stop(workers: list) -> None:
+    """Finalizer of a pool: tell its idle workers to exit (busy ones exit when their task ends)."""
+    for w in list(workers):
+        w.tasks.put(None)
+    me = threading.current_thread()
+    for w in list(workers):
+        if w is not me and w.is_alive():
+            w.join(timeout=1.0)
+
+
 class _Pool:
     """Idle workers are reused; a new one starts only when none is idle. At most ``max_idle`` are kept."""
 
-    def __init__(self, max_idle: int = 32):
+    def __init__(self, max_idle: int = 32, name: str = "dpfast-worker"):
         self.max_idle = max_idle
+        self.name = name
         self._lock = threading.Lock()
         self._idle: list[_Worker] = []
         self._all: list[_Worker] = []
         self._pid = os.getpid()
         self._count = 0
+        self._finalizer = weakref.finalize(self, _stop, self._idle)
+
+    def __reduce__(self):  # deepcopy / pickle of the owning DataParallel: a fresh pool, no threads
+        return (_Pool, (self.max_idle, self.name))
+
+    def threads(self) -> list[_Worker]:
+        """The live workers (tests read it)."""
+        with self._lock:
+            return [w for w in self._all if w.is_alive()]
 
     def submit(self, fn: Callable[[], None], done: threading.Event) -> None:
         with self._lock:
             if self._pid != os.getpid():  # forked child: the parent's threads do not exist here
-                self._idle, self._all, self._pid = [], [], os.getpid()
+                self._idle.clear()
+                self._all.clear()
+                self._pid = os.getpid()
             worker = self._idle.pop() if self._idle else None
             if worker is None:
                 self._count += 1
-                worker = _Worker(self, f"dpfast-worker-{self._count}")
+                worker = _Worker(self, f"{self.name}-{self._count}")
                 self._all.append(worker)
                 worker.start()
         worker.tasks.put((fn, done))
 
     def _release(self, worker: _Worker) -> bool:
         with self._lock:
-            if worker.pool is self and self._pid == os.getpid() and len(self._idle) < self.max_idle:
+            if self._pid == os.getpid() and len(self._idle) < self.max_idle and self._finalizer.alive:
                 self._idle.append(worker)
                 return True
             if worker in self._all:
@@ -198,16 +233,14 @@ class _Pool:
             return False
 
     def shutdown(self) -> None:
-        """Stop the idle workers (at interpreter exit; the pool restarts workers on the next call)."""
+        """Stop the idle workers now (the pool starts new ones on its next call)."""
         with self._lock:
-            idle, self._idle = self._idle, []
+            idle = list(self._idle)
+            self._idle.clear()
             for w in idle:
                 self._all.remove(w)
-        for w in idle:
-            w.tasks.put(None)
-        for w in idle:
-            w.join(timeout=1.0)
+        _stop(idle)
 
 
-_POOL = _Pool()
+_POOL = _Pool()  # for callers without a pool of their own
 atexit.register(_POOL.shutdown)

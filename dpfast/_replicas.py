@@ -1,17 +1,43 @@
-"""One module per replica: the module itself on its own device, differentiable copies elsewhere.
+"""One module per replica: the module itself on its own device, persistent differentiable copies elsewhere.
 
 A replica on the module's device *is* the module, so ``device_ids=["cpu"] * 4`` or ``[0, 0]`` runs the same module
 object several times concurrently: a rehearsal of a multi-GPU run on one device. Replicas that share a device share
 one module (like the inputs they get, a replica's state is never written back: see torch.nn.parallel.replicate).
+
+Other (CUDA) devices get copies. ``torch.nn.parallel.replicate`` rebuilds every module of the tree on every device
+at every step; here the copies are **persistent**: :class:`ReplicaCache` builds the module tree once per set of
+target devices, and each step only broadcasts the parameters and buffers from the source (coalesced, through
+``torch.nn.parallel._functions.Broadcast`` under grad mode, so every copy is a non-leaf connected to the original
+by autograd and gradients sum back onto it, exactly as with torch's replicate) and writes the copies into the
+replicas' attribute slots. After the step the slots are cleared, so no copy and no graph outlives the step.
+
+Invalidation: at build time each source module's ``__dict__``, ``_parameters``, ``_buffers`` and ``_modules`` are
+snapshotted (shallow), and each step checks by identity that none of them changed. That catches parameters or
+buffers added, removed or replaced (``load_state_dict(assign=True)``, ``.to()`` under
+``torch.__future__.set_overwrite_module_params_on_conversion(True)``), submodules added or replaced anywhere in
+the tree, ``train()``/``eval()`` (the ``training`` attribute) and any other attribute reassigned on any module
+(torch's replicas copy them each step, so ours must see the new value too). In-place changes -- ``.to()``'s usual
+in-place conversion, ``load_state_dict``'s copy, an optimizer step -- need no rebuild: the values are broadcast
+from the source at every step, whatever their dtype. A module that reassigns an attribute of itself in every
+``forward`` is rebuilt every step: correct, and no slower than torch's replicate.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+import operator
+import threading
+from collections import OrderedDict
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
+
+# Private test switch: when true, every slot after the first on the source device gets its own copy (as if it
+# were another device), so that the persistent-replica machinery (build, refresh, invalidation, gradients summing
+# back onto the source) runs and is tested on the CPU. Copies are then made with autograd-connected clones instead
+# of a CUDA broadcast. Never set it in real use: copies on the source device only cost time and memory.
+_COPY_ON_SOURCE_DEVICE = False
 
 
 def check_module_device(module: nn.Module, source: torch.device) -> None:
@@ -24,23 +50,242 @@ def check_module_device(module: nn.Module, source: torch.device) -> None:
             )
 
 
-def replicate(module: nn.Module, source: torch.device, devices: Sequence[torch.device]) -> list[nn.Module]:
-    """One module per entry of ``devices``: ``module`` on ``source``, one copy per other (CUDA) device.
-
-    Copies are made by ``torch.nn.parallel.replicate``: parameters are broadcast with autograd, so gradients of
-    every replica sum back onto the original parameters. Under ``no_grad`` they are detached copies.
-    """
-    others = []
+def _targets(source: torch.device, devices: Sequence[torch.device]) -> tuple[list, list]:
+    """``(slot_of, targets)``: for each entry of ``devices``, None (the module itself) or an index into
+    ``targets``, the devices that get a copy (each distinct other device once)."""
+    targets: list[torch.device] = []
+    slot_of: list[Optional[int]] = []
+    seen_source = False
     for d in devices:
-        if d != source and d not in others:
-            others.append(d)
-    if not others:
-        return [module] * len(devices)
-    if source.type != "cuda" or any(d.type != "cuda" for d in others):
+        if d == source and not (_COPY_ON_SOURCE_DEVICE and seen_source):
+            seen_source = True
+            slot_of.append(None)
+        elif d == source:  # test switch: a copy per extra slot on the source device
+            targets.append(d)
+            slot_of.append(len(targets) - 1)
+        else:
+            if d not in targets:
+                targets.append(d)
+            slot_of.append(targets.index(d))
+    return slot_of, targets
+
+
+def _check_copyable(source: torch.device, targets: Sequence[torch.device]) -> None:
+    others = [d for d in targets if d != source]
+    if others and (source.type != "cuda" or any(d.type != "cuda" for d in others)):
         raise ValueError(
             f"cannot copy a module on {source} to {', '.join(map(str, others))}: copies are made for CUDA devices "
             "only; use one device type in device_ids"
         )
-    copies = nn.parallel.replicate(module, [source] + others, detach=not torch.is_grad_enabled())[1:]
-    table = dict(zip(others, copies))
-    return [module if d == source else table[d] for d in devices]
+
+
+def _broadcast(tensors: Sequence[torch.Tensor], source: torch.device, targets: Sequence[torch.device],
+               detach: bool) -> list[list[torch.Tensor]]:
+    """A copy of every tensor per target device, ``[target][tensor]``; autograd-connected unless ``detach``."""
+    if not tensors:
+        return [[] for _ in targets]
+    if all(d.type == "cuda" for d in targets) and source.type == "cuda":
+        from torch.nn.parallel.replicate import _broadcast_coalesced_reshape
+
+        # the source must come first; its own "copies" are dropped (their gradient is None -> zeros, not used)
+        return _broadcast_coalesced_reshape(list(tensors), [source] + list(targets), detach=detach)[1:]
+    # test switch on the CPU: clones, connected by autograd (a clone's gradient flows back to its input)
+    out = []
+    for _ in targets:
+        if detach:
+            out.append([t.detach().clone() for t in tensors])
+        else:
+            out.append([t.clone() for t in tensors])
+    return out
+
+
+def _same(now: dict, snap: dict) -> bool:
+    """``now`` holds exactly ``snap``'s keys, each bound to the very same object (C-speed identity checks)."""
+    return len(now) == len(snap) and all(map(operator.is_, now.values(), snap.values())) and now.keys() == snap.keys()
+
+
+class _ReplicaSet:
+    """The module tree copied once per target device, with the slots each step writes the broadcast copies into."""
+
+    def __init__(self, root: nn.Module, source: torch.device, targets: Sequence[torch.device]):
+        self.source = source
+        self.targets = list(targets)
+        modules = list(root.modules())
+        self.modules = modules
+        self.snapshots = [(m.__dict__.copy(), dict(m._parameters), dict(m._buffers), dict(m._modules))
+                          for m in modules]
+        index = {id(m): i for i, m in enumerate(modules)}
+        copies = [[m._replicate_for_data_parallel() for m in modules] for _ in self.targets]
+        params = list(root.parameters())  # deduplicated: a tied parameter is broadcast once, as in torch
+        param_index = {id(p): k for k, p in enumerate(params)}
+        buffers = list(root.buffers())
+        buffer_index = {id(b): k for k, b in enumerate(buffers)}
+        self.n_params, self.n_buffers = len(params), len(buffers)
+        # slots: (target j, replica module, attribute name, tensor index, via setattr?)
+        self.param_slots: list[tuple[int, nn.Module, str, int, bool]] = []
+        self.buffer_slots: list[tuple[int, nn.Module, str, int, bool]] = []
+        for j, row in enumerate(copies):
+            for i, m in enumerate(modules):
+                r = row[i]
+                r._former_parameters = OrderedDict()  # as torch's replicate (DDP reads it)
+                plain = type(m).__setattr__ is nn.Module.__setattr__  # RNNs override it to track _flat_weights
+                for key, child in m._modules.items():
+                    if child is None:
+                        r._modules[key] = None
+                    else:
+                        setattr(r, key, row[index[id(child)]])
+                for key, p in m._parameters.items():
+                    if p is None:
+                        r._parameters[key] = None
+                    else:
+                        self.param_slots.append((j, r, key, param_index[id(p)], not plain))
+                for key, b in m._buffers.items():
+                    if b is None:
+                        r._buffers[key] = None
+                    else:
+                        self.buffer_slots.append((j, r, key, buffer_index[id(b)], not plain))
+        self.roots = [row[0] for row in copies]
+        self.lock = threading.Lock()
+
+    def valid(self, root: nn.Module) -> bool:
+        """Whether the source tree is still the one these replicas were built from (see the module docstring)."""
+        modules = self.modules
+        if modules[0] is not root:
+            return False
+        for m, (d, p, b, c) in zip(modules, self.snapshots):
+            if not (_same(m.__dict__, d) and _same(m._parameters, p) and _same(m._buffers, b)
+                    and _same(m._modules, c)):
+                return False
+        return True
+
+    def refresh(self) -> None:
+        """Broadcast the source's current parameters and buffers into the replicas' slots."""
+        root = self.modules[0]
+        detach = not torch.is_grad_enabled()
+        params = list(root.parameters())
+        buffers = list(root.buffers())
+        if len(params) != self.n_params or len(buffers) != self.n_buffers:  # pragma: no cover - valid() caught it
+            raise RuntimeError("dpfast: module changed while its replicas were refreshed")
+        pcopies = _broadcast(params, self.source, self.targets, detach)
+        # buffers that require grad are broadcast with autograd (as torch does), the others detached
+        rg = [k for k, b in enumerate(buffers) if b.requires_grad and not detach]
+        if rg:
+            rg_set = set(rg)
+            nrg = [k for k in range(len(buffers)) if k not in rg_set]
+            c_rg = _broadcast([buffers[k] for k in rg], self.source, self.targets, False)
+            c_nrg = _broadcast([buffers[k] for k in nrg], self.source, self.targets, True)
+            bcopies = []
+            for row_rg, row_nrg in zip(c_rg, c_nrg):
+                row: list = [None] * len(buffers)
+                for k, t in zip(rg, row_rg):
+                    row[k] = t
+                for k, t in zip(nrg, row_nrg):
+                    row[k] = t
+                bcopies.append(row)
+        else:
+            bcopies = _broadcast(buffers, self.source, self.targets, True)
+        for j, r, key, k, via_setattr in self.param_slots:
+            t = pcopies[j][k]
+            # parameters of a replica are not leaves: they live as plain attributes (torch's replicate does the
+            # same with setattr); a plain dict write is what Module.__setattr__ does for a non-Parameter tensor
+            if via_setattr:
+                setattr(r, key, t)
+            else:
+                r.__dict__[key] = t
+            r._former_parameters[key] = t
+        for j, r, key, k, via_setattr in self.buffer_slots:
+            t = bcopies[j][k]
+            if via_setattr:
+                setattr(r, key, t)
+            else:
+                r._buffers[key] = t
+
+    def clear(self) -> None:
+        """Drop this step's copies (memory, and the autograd graph they belong to) from the slots."""
+        for _, r, key, _, via_setattr in self.param_slots:
+            if via_setattr:  # e.g. an RNN's _flat_weights list holds them too
+                setattr(r, key, None)
+            else:
+                r.__dict__.pop(key, None)
+            r._former_parameters.pop(key, None)
+        for _, r, key, _, _ in self.buffer_slots:
+            r._buffers[key] = None
+
+
+class ReplicaCache:
+    """Persistent replicas of one module, per set of target devices (the few distinct sets a run needs: the full
+    device list, and fewer devices when a batch is smaller than the number of devices)."""
+
+    max_sets = 4
+
+    def __init__(self) -> None:
+        self._sets: "OrderedDict[tuple, _ReplicaSet]" = OrderedDict()
+        self._lock = threading.Lock()
+        self.builds = 0  # how many times replicas were built (tests read it)
+
+    def __reduce__(self):  # deepcopy / pickle of the owning DataParallel: start empty
+        return (ReplicaCache, ())
+
+    def clear(self) -> None:
+        with self._lock:
+            self._sets.clear()
+
+    def replicate(self, module: nn.Module, source: torch.device, devices: Sequence[torch.device]
+                  ) -> tuple[list[nn.Module], Callable[[], None]]:
+        """``(modules, done)``: one module per entry of ``devices`` (``module`` itself on ``source``) and a function
+        to call when the step's forward has run (it frees the step's copies and lets the next step reuse them)."""
+        slot_of, targets = _targets(source, devices)
+        if not targets:
+            return [module] * len(devices), _nothing
+        _check_copyable(source, targets)
+        key = tuple(targets)
+        with self._lock:
+            rs = self._sets.get(key)
+            if rs is not None and not rs.valid(module):
+                del self._sets[key]
+                rs = None
+            if rs is None:
+                rs = _ReplicaSet(module, source, targets)
+                self.builds += 1
+                self._sets[key] = rs
+                while len(self._sets) > self.max_sets:
+                    self._sets.popitem(last=False)
+            else:
+                self._sets.move_to_end(key)
+        if not rs.lock.acquire(blocking=False):
+            # the same DataParallel is running in another thread right now: a one-off set for this call
+            rs = _ReplicaSet(module, source, targets)
+            rs.lock.acquire()
+        try:
+            rs.refresh()
+        except BaseException:
+            rs.clear()
+            rs.lock.release()
+            raise
+        modules = [module if s is None else rs.roots[s] for s in slot_of]
+
+        def done() -> None:
+            rs.clear()
+            rs.lock.release()
+
+        return modules, done
+
+
+def _nothing() -> None:
+    pass
+
+
+def replicate(module: nn.Module, source: torch.device, devices: Sequence[torch.device]) -> list[nn.Module]:
+    """One module per entry of ``devices``: ``module`` on ``source``, a fresh copy per other (CUDA) device.
+
+    The non-persistent form (``torch.nn.parallel.replicate``'s cost every call); :class:`ReplicaCache` is the
+    persistent one. Parameters are broadcast with autograd, so gradients of every replica sum back onto the
+    original parameters. Under ``no_grad`` they are detached copies.
+    """
+    slot_of, targets = _targets(source, devices)
+    if not targets:
+        return [module] * len(devices)
+    _check_copyable(source, targets)
+    rs = _ReplicaSet(module, source, targets)
+    rs.refresh()
+    return [module if s is None else rs.roots[s] for s in slot_of]

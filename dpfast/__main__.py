@@ -232,10 +232,14 @@ def bench(which: str = "all", argv: Sequence[str] = ()) -> int:
             print(f"dpfast bench: {path} has no main(argv=None) function", file=sys.stderr)
             code = code or 1
             continue
+        saved_argv = sys.argv
+        sys.argv = [str(path)] + list(argv)  # so the script's argparse names itself in --help and errors
         try:
             result = _exit_code(module.main(list(argv)))
         except SystemExit as exc:
             result = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        finally:
+            sys.argv = saved_argv
         code = code or result
     return code
 

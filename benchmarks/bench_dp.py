@@ -1,0 +1,300 @@
+"""Training step (forward + backward) of the seed-000 RRN: plain module vs dpfast.DataParallel (vs torch's).
+
+Variants, measured interleaved (round-robin over variants, median of the rounds) in one run, so the ratios compare
+like with like on a noisy machine:
+
+* CPU (``--device cpu``): the plain module vs ``dpfast.DataParallel(model, ["cpu"] * 2, in_dims={"h": 1},
+  out_dims=(0, 0, 1))``, the 2-replica CPU rehearsal. Target (issue 7): dpfast <= 1.3x plain.
+* CUDA (``--device cuda``): additionally ``dpfast`` on ``[0, 0]`` vs ``torch.nn.DataParallel`` on ``[0, 0]``.
+  torch's DataParallel splits every input on dim 0, which is the seed's bug for the LSTM state ``(1, B, H)``, so
+  torch runs the blog's fix: a thin wrapper keeping the state batch-first (``transpose(0, 1).contiguous()`` around
+  the call). If torch refuses duplicate ids, its replicate + scatter + parallel_apply + gather are timed directly
+  on ``[0, 0]`` instead, and the table says so. Target: dpfast <= 0.5x torch.
+
+One step = zero the grads, one RRN call ``model(x, x, (h0, c0))``, cross-entropy on the output, ``backward()``.
+Prints a table, writes ``benchmarks/results/bench_dp.json`` and ``bench_dp.png`` (or ``--out DIR``).
+
+    python benchmarks/bench_dp.py [--device cpu|cuda] [--quick] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+import dpfast  # noqa: E402
+
+try:
+    from examples.rrn import IN_DIMS, OUT_DIMS, RRN  # the seed's model, unchanged
+except ImportError:  # pragma: no cover - an installed package without the examples: an equivalent small model
+    IN_DIMS, OUT_DIMS = {"h": 1}, (0, 0, 1)
+
+    class RRN(nn.Module):  # type: ignore[no-redef]
+        def __init__(self, dim_hidden, message_dim, output_dim, f_dims, o_dims, device, g_layers=1):
+            super().__init__()
+            self.message_dim = message_dim
+
+            def mlp(i, hs, o):
+                layers, last = [], i
+                for h in hs:
+                    layers += [nn.Linear(last, h), nn.ReLU()]
+                    last = h
+                return nn.Sequential(*layers, nn.Linear(last, o))
+
+            self.f = mlp(2 * dim_hidden, f_dims, message_dim)
+            self.g_mlp = mlp(dim_hidden + message_dim, f_dims, 128)
+            self.g = nn.LSTM(128, dim_hidden, num_layers=g_layers, batch_first=True)
+            self.o = mlp(dim_hidden, o_dims, output_dim)
+
+        def forward(self, x, hidden, h, edge_attribute=None):
+            b, n, d = hidden.shape
+            hi = hidden.repeat(1, n, 1)
+            hj = hidden.unsqueeze(2).repeat(1, 1, n, 1).view(b, -1, d)
+            messages = self.f(torch.cat((hi, hj), 2)).view(b, n, n, self.message_dim).sum(2)
+            out, h = self.g(self.g_mlp(torch.cat((x, messages), 2)), h)
+            hidden = out.clone()
+            return self.o(hidden), hidden, h
+
+
+# the examples' config: 5 facts, hidden 32, messages 32, MLPs (64, 64) and (64,), 4 classes
+N_FACTS, HIDDEN, MESSAGE, CLASSES, F_DIMS, O_DIMS = 5, 32, 32, 4, [64, 64], [64]
+
+
+class BatchFirstState(nn.Module):
+    """The blog's fix for torch.nn.DataParallel: the LSTM state crosses the wrapper batch-first."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, hidden, h):
+        h = tuple(t.transpose(0, 1).contiguous() for t in h)
+        out, hidden, h = self.model(x, hidden, h)
+        return out, hidden, tuple(t.transpose(0, 1) for t in h)
+
+
+def build(device: torch.device, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    model = RRN(HIDDEN, MESSAGE, CLASSES, F_DIMS, O_DIMS, device).to(device)
+    return model.eval()  # dropout off: every variant computes the same thing
+
+
+def make_step(net: Callable, params: Sequence[torch.Tensor], x, target, h, state_batch_first=False):
+    if state_batch_first:
+        h = tuple(t.transpose(0, 1).contiguous() for t in h)
+
+    def step():
+        for p in params:
+            p.grad = None
+        out, _, _ = net(x, x, h)
+        loss = F.cross_entropy(out.reshape(-1, CLASSES), target.reshape(-1))
+        loss.backward()
+        return loss
+
+    return step
+
+
+def torch_parts_step(model: nn.Module, ids: list, x, target, h):
+    """torch's DataParallel, taken apart (for when it refuses duplicate ids): replicate + scatter + parallel_apply
+    + gather on ``ids``, each as torch.nn.DataParallel.forward calls it."""
+    from torch.nn.parallel import gather, parallel_apply, replicate
+    from torch.nn.parallel.scatter_gather import scatter_kwargs
+
+    wrapped = BatchFirstState(model)
+    hb = tuple(t.transpose(0, 1).contiguous() for t in h)
+    params = list(model.parameters())
+
+    def step():
+        for p in params:
+            p.grad = None
+        inputs, kwargs = scatter_kwargs((x, x, hb), {}, ids, 0)
+        replicas = replicate(wrapped, ids[: len(inputs)], not torch.is_grad_enabled())
+        outputs = parallel_apply(replicas, inputs, kwargs, ids[: len(inputs)])
+        out, _, _ = gather(outputs, ids[0], 0)
+        loss = F.cross_entropy(out.reshape(-1, CLASSES), target.reshape(-1))
+        loss.backward()
+        return loss
+
+    return step
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]:
+    def run(fn, iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return (time.perf_counter() - t) / iters
+
+    return run
+
+
+def measure(variants: dict, device: torch.device, budget_s: float, rounds: int) -> dict[str, float]:
+    """Median seconds per step of each variant; variants alternate within every round (order rotated)."""
+    timer = _timer(device)
+    for fn in variants.values():  # warm up: allocator, worker threads, replica caches
+        for _ in range(3):
+            fn()
+    probe = max(timer(fn, 2) for fn in variants.values())
+    iters = max(1, int(budget_s / rounds / len(variants) / max(probe, 1e-6)))
+    names = list(variants)
+    samples: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for name in order:
+            samples[name].append(timer(variants[name], iters))
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def run_batch(batch: int, device: torch.device, budget_s: float, rounds: int, notes: list) -> dict:
+    gen = torch.Generator().manual_seed(batch)
+    x = torch.randn(batch, N_FACTS, HIDDEN, generator=gen).to(device)
+    target = torch.randint(0, CLASSES, (batch, N_FACTS), generator=gen).to(device)
+    h = tuple(torch.zeros(1, batch, HIDDEN, device=device) for _ in range(2))
+
+    plain = build(device)
+    variants = {"plain": make_step(plain, list(plain.parameters()), x, target, h)}
+    ids = ["cpu"] * 2 if device.type == "cpu" else [device.index or 0] * 2
+    dp_model = build(device)
+    dp = dpfast.DataParallel(dp_model, ids, in_dims=IN_DIMS, out_dims=OUT_DIMS)
+    variants["dpfast"] = make_step(dp, list(dp_model.parameters()), x, target, h)
+    if device.type == "cuda":
+        t_model = build(device)
+        try:
+            tdp = nn.DataParallel(BatchFirstState(t_model), ids)
+            step = make_step(tdp, list(t_model.parameters()), x, target, h, state_batch_first=True)
+            step()
+            variants["torch"] = step
+            label = "torch.nn.DataParallel"
+        except Exception as exc:  # noqa: BLE001 - reported in the table
+            note = f"torch.nn.DataParallel refused device_ids={ids}: {type(exc).__name__}: {exc}".splitlines()[0]
+            if note not in notes:
+                notes.append(note + "; timing torch's replicate+scatter+parallel_apply+gather directly")
+            variants["torch"] = torch_parts_step(t_model, ids, x, target, h)
+            label = "torch parts (replicate+scatter+parallel_apply+gather)"
+    times = measure(variants, device, budget_s, rounds)
+    row = {"batch": batch, "seconds": times, "dpfast/plain": times["dpfast"] / times["plain"]}
+    if "torch" in times:
+        row["torch_label"] = label
+        row["torch/plain"] = times["torch"] / times["plain"]
+        row["dpfast/torch"] = times["dpfast"] / times["torch"]
+    return row
+
+
+def plot(rows: list, device: str, path: str) -> Optional[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    batches = [r["batch"] for r in rows]
+    for name in rows[0]["seconds"]:
+        a1.plot(batches, [1e3 * r["seconds"][name] for r in rows], marker="o", label=name)
+    a1.set_xscale("log", base=2)
+    a1.set_yscale("log")
+    a1.set_xlabel("batch")
+    a1.set_ylabel("ms per training step (median)")
+    a1.set_title(f"seed-000 RRN step on {device}")
+    a1.legend()
+    for key in ("dpfast/plain", "dpfast/torch"):
+        if key in rows[0]:
+            a2.plot(batches, [r[key] for r in rows], marker="o", label=key)
+    a2.axhline(1.3, color="gray", ls="--", lw=1, label="target dpfast/plain 1.3")
+    if "dpfast/torch" in rows[0]:
+        a2.axhline(0.5, color="gray", ls=":", lw=1, label="target dpfast/torch 0.5")
+    a2.set_xscale("log", base=2)
+    a2.set_xlabel("batch")
+    a2.set_ylabel("ratio (lower is better)")
+    a2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="benchmarks/bench_dp.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and rounds (about 15 s on the CPU)")
+    parser.add_argument("--out", default=os.path.join(HERE, "results"), help="directory for the JSON and PNG")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_dp: --device cuda but CUDA is not available", file=sys.stderr)
+        return 2
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    batches = [16, 128] if args.quick else [16, 64, 256, 1024]
+    budget, rounds = (2.0, 5) if args.quick else (8.0, 9)
+    t0 = time.perf_counter()
+    notes: list[str] = []
+    rows = [run_batch(b, device, budget, rounds, notes) for b in batches]
+
+    names = list(rows[0]["seconds"])
+    ratio_keys = [k for k in ("dpfast/plain", "torch/plain", "dpfast/torch") if k in rows[0]]
+    header = f"{'batch':>6} " + " ".join(f"{n + ' ms':>12}" for n in names) + " " + \
+        " ".join(f"{k:>13}" for k in ratio_keys)
+    print(f"seed-000 RRN training step (forward + backward), {device}, 2 replicas on one device, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['batch']:>6} " + " ".join(f"{1e3 * r['seconds'][n]:>12.3f}" for n in names) + " " +
+              " ".join(f"{r[k]:>13.3f}" for k in ratio_keys))
+    for note in notes:
+        print("note:", note)
+    if "torch_label" in rows[0]:
+        print(f"torch = {rows[0]['torch_label']} on the same ids, state kept batch-first (the blog's fix)")
+    worst = max(r["dpfast/plain"] for r in rows)
+    print(f"target dpfast/plain <= 1.3 (CPU rehearsal): worst {worst:.3f} -> {'met' if worst <= 1.3 else 'NOT met'}"
+          if device.type == "cpu" else "")
+    if "dpfast/torch" in rows[0]:
+        worst_t = max(r["dpfast/torch"] for r in rows)
+        print(f"target dpfast/torch <= 0.5 on [0, 0]: worst {worst_t:.3f} -> {'met' if worst_t <= 0.5 else 'NOT met'}")
+
+    os.makedirs(args.out, exist_ok=True)
+    result = {
+        "benchmark": "bench_dp",
+        "command": "python benchmarks/bench_dp.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
+                    "torch": torch.__version__, "intra_op_threads": torch.get_num_threads(),
+                    "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
+        "device": str(device),
+        "model": {"class": f"{RRN.__module__}.{RRN.__name__}", "n_facts": N_FACTS, "dim_hidden": HIDDEN,
+                  "message_dim": MESSAGE, "f_dims": F_DIMS, "o_dims": O_DIMS, "classes": CLASSES},
+        "method": f"median of {rounds} interleaved rounds, {budget:.0f} s budget per batch size",
+        "notes": notes,
+        "rows": rows,
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    path = os.path.join(args.out, "bench_dp.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    png = plot(rows, str(device), os.path.join(args.out, "bench_dp.png"))
+    print(f"wrote {path}" + (f" and {png}" if png else " (matplotlib not found: no plot)") +
+          f" in {result['wall_s']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

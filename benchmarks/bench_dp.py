@@ -3,6 +3,8 @@
 Variants, measured interleaved (round-robin over variants, median of the rounds) in one run, so the ratios compare
 like with like on a noisy machine:
 
+* ``halves``: the plain module called on the two halves of the batch in turn, one backward: the floor of any
+  2-replica split on one interpreter (small batches are bound by per-op overhead, which two replicas pay twice).
 * CPU (``--device cpu``): the plain module vs ``dpfast.DataParallel(model, ["cpu"] * 2, in_dims={"h": 1},
   out_dims=(0, 0, 1))``, the 2-replica CPU rehearsal. Target (issue 7): dpfast <= 1.3x plain.
 * CUDA (``--device cuda``): additionally ``dpfast`` on ``[0, 0]`` vs ``torch.nn.DataParallel`` on ``[0, 0]``.
@@ -109,6 +111,27 @@ def make_step(net: Callable, params: Sequence[torch.Tensor], x, target, h, state
     return step
 
 
+def halves_step(model: nn.Module, x, target, h):
+    """The plain module called on the two halves of the batch in turn (outputs concatenated, one backward): what
+    any 2-replica split costs on one interpreter before any data-parallel machinery, as small batches are bound by
+    per-op overhead that two replicas pay twice."""
+    params = list(model.parameters())
+    b = x.shape[0]
+    sizes = [b - b // 2, b // 2]
+    xs = torch.split(x, sizes)
+    hs = list(zip(*(torch.split(t, sizes, dim=1) for t in h)))
+
+    def step():
+        for p in params:
+            p.grad = None
+        out = torch.cat([model(xi, xi, hi)[0] for xi, hi in zip(xs, hs)])
+        loss = F.cross_entropy(out.reshape(-1, CLASSES), target.reshape(-1))
+        loss.backward()
+        return loss
+
+    return step
+
+
 def torch_parts_step(model: nn.Module, ids: list, x, target, h):
     """torch's DataParallel, taken apart (for when it refuses duplicate ids): replicate + scatter + parallel_apply
     + gather on ``ids``, each as torch.nn.DataParallel.forward calls it."""
@@ -171,7 +194,8 @@ def run_batch(batch: int, device: torch.device, budget_s: float, rounds: int, no
     h = tuple(torch.zeros(1, batch, HIDDEN, device=device) for _ in range(2))
 
     plain = build(device)
-    variants = {"plain": make_step(plain, list(plain.parameters()), x, target, h)}
+    variants = {"plain": make_step(plain, list(plain.parameters()), x, target, h),
+                "halves": halves_step(plain, x, target, h)}
     ids = ["cpu"] * 2 if device.type == "cpu" else [device.index or 0] * 2
     dp_model = build(device)
     dp = dpfast.DataParallel(dp_model, ids, in_dims=IN_DIMS, out_dims=OUT_DIMS)
@@ -191,7 +215,8 @@ def run_batch(batch: int, device: torch.device, budget_s: float, rounds: int, no
             variants["torch"] = torch_parts_step(t_model, ids, x, target, h)
             label = "torch parts (replicate+scatter+parallel_apply+gather)"
     times = measure(variants, device, budget_s, rounds)
-    row = {"batch": batch, "seconds": times, "dpfast/plain": times["dpfast"] / times["plain"]}
+    row = {"batch": batch, "seconds": times, "dpfast/plain": times["dpfast"] / times["plain"],
+           "halves/plain": times["halves"] / times["plain"], "dpfast/halves": times["dpfast"] / times["halves"]}
     if "torch" in times:
         row["torch_label"] = label
         row["torch/plain"] = times["torch"] / times["plain"]
@@ -217,7 +242,7 @@ def plot(rows: list, device: str, path: str) -> Optional[str]:
     a1.set_ylabel("ms per training step (median)")
     a1.set_title(f"seed-000 RRN step on {device}")
     a1.legend()
-    for key in ("dpfast/plain", "dpfast/torch"):
+    for key in ("dpfast/plain", "halves/plain", "dpfast/torch"):
         if key in rows[0]:
             a2.plot(batches, [r[key] for r in rows], marker="o", label=key)
     a2.axhline(1.3, color="gray", ls="--", lw=1, label="target dpfast/plain 1.3")
@@ -243,14 +268,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("bench_dp: --device cuda but CUDA is not available", file=sys.stderr)
         return 2
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    batches = [16, 128] if args.quick else [16, 64, 256, 1024]
-    budget, rounds = (2.0, 5) if args.quick else (8.0, 9)
+    batches = [16, 256] if args.quick else [16, 128, 1024, 4096]
+    budget, rounds = (2.5, 5) if args.quick else (7.0, 9)
     t0 = time.perf_counter()
     notes: list[str] = []
     rows = [run_batch(b, device, budget, rounds, notes) for b in batches]
 
     names = list(rows[0]["seconds"])
-    ratio_keys = [k for k in ("dpfast/plain", "torch/plain", "dpfast/torch") if k in rows[0]]
+    ratio_keys = [k for k in ("dpfast/plain", "halves/plain", "dpfast/halves", "torch/plain", "dpfast/torch")
+                  if k in rows[0]]
     header = f"{'batch':>6} " + " ".join(f"{n + ' ms':>12}" for n in names) + " " + \
         " ".join(f"{k:>13}" for k in ratio_keys)
     print(f"seed-000 RRN training step (forward + backward), {device}, 2 replicas on one device, "

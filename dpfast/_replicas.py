@@ -222,9 +222,27 @@ class ReplicaCache:
         self._sets: "OrderedDict[tuple, _ReplicaSet]" = OrderedDict()
         self._lock = threading.Lock()
         self.builds = 0  # how many times replicas were built (tests read it)
+        self._tree: Optional[tuple] = None
 
     def __reduce__(self):  # deepcopy / pickle of the owning DataParallel: start empty
         return (ReplicaCache, ())
+
+    def modules_of(self, root: nn.Module) -> list[nn.Module]:
+        """``list(root.modules())``, cached while no module's ``_modules`` changed (one identity check each)."""
+        tree = self._tree
+        if tree is not None and tree[0] is root and all(map(_same, [m._modules for m in tree[1]], tree[2])):
+            return tree[1]
+        modules = list(root.modules())
+        self._tree = (root, modules, [dict(m._modules) for m in modules])
+        return modules
+
+    def check_module_device(self, root: nn.Module, source: torch.device) -> None:
+        """:func:`check_module_device` without walking the module tree through generators at every step."""
+        for m in self.modules_of(root):
+            for t in itertools.chain(m._parameters.values(), m._buffers.values()):
+                if t is not None and t.device != source:
+                    check_module_device(root, source)  # the full walk and its message
+                    return
 
     def clear(self) -> None:
         with self._lock:

@@ -15,7 +15,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from ._execute import _Pool, run_replicas
 from ._plan import Plan, check_batch, choose_batch, mapped_leaves, plan_rows, split_sizes, validate_chunk_sizes
-from ._replicas import ReplicaCache, check_module_device
+from ._replicas import ReplicaCache
 from ._specs import ArgumentSpecs, ArgumentTree, Spec, validate_spec
 from ._transfer import gather_outputs, move_tree, scatter_tree
 
@@ -184,7 +184,7 @@ class DataParallel(nn.Module):
         if not self._devices:
             return self.module(*inputs, **kwargs)
         source = self._devices[0]
-        check_module_device(self.module, source)
+        self._replicas.check_module_device(self.module, source)
         tree = ArgumentTree(self._specs, inputs, kwargs)
         self._check_input_devices(tree)
         mapped = mapped_leaves(tree)

@@ -391,3 +391,17 @@ def test_cuda_copies_with_the_test_switch(copies):
     for _ in range(2):
         _check_step(dp, plain, _x(7).cuda())
     assert dp._replicas.builds == 1
+
+
+def test_device_check_sees_changes_after_the_first_call():
+    src = _net()
+    dp = dpfast.DataParallel(src, ["cpu"] * 2)
+    dp(_x(4))
+    src.extra = nn.Parameter(torch.zeros(3, dtype=DT, device="meta"))  # a parameter on another device
+    with pytest.raises(RuntimeError, match="module must have its parameters and buffers on device cpu"):
+        dp(_x(4))
+    del src.extra
+    dp(_x(4))
+    src.out.add_module("late", nn.Linear(1, 1, device="meta"))  # deeper in the tree, after the cache was built
+    with pytest.raises(RuntimeError, match="found one of them on device: meta"):
+        dp(_x(4))

@@ -269,7 +269,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     batches = [16, 256] if args.quick else [16, 128, 1024, 4096]
-    budget, rounds = (2.5, 5) if args.quick else (7.0, 9)
+    budget, rounds = (1.8, 5) if args.quick else (7.0, 9)
     t0 = time.perf_counter()
     notes: list[str] = []
     rows = [run_batch(b, device, budget, rounds, notes) for b in batches]

@@ -8,6 +8,7 @@ chunks flow back to the caller's tensors, gradients of gathered outputs back to 
 from __future__ import annotations
 
 import numbers
+import warnings
 from typing import Any, Optional, Sequence
 
 import torch
@@ -117,11 +118,11 @@ def gather_outputs(
             col.append(v)
     total = sum(sizes)
     weights = [s / total for s in sizes] if total > 0 else [1.0 / len(sizes)] * len(sizes)
-    combined = [_combine(leaf, col, device, weights) for leaf, col in zip(leaves0, columns)]
+    combined = [_combine(leaf, col, device, weights, sizes) for leaf, col in zip(leaves0, columns)]
     return unflatten(tdef, combined)
 
 
-def _combine(leaf: SpecLeaf, values: list, device: torch.device, weights: list[float]) -> Any:
+def _combine(leaf: SpecLeaf, values: list, device: torch.device, weights: list[float], sizes: Sequence[int]) -> Any:
     spec, path = leaf.spec, leaf.path
     if all(v is None for v in values):
         return None
@@ -157,7 +158,29 @@ def _combine(leaf: SpecLeaf, values: list, device: torch.device, weights: list[f
                 f"{tuple(v.shape)} {v.dtype}, replica 0 {tuple(ref.shape)} {ref.dtype}; all other axes and the "
                 "dtype must agree (is the batch on another axis? set out_dims for it)"
             )
+    _warn_if_batch_elsewhere(path, spec, axis, values, sizes)
     return ops.gather(values, axis, device)
+
+
+def _warn_if_batch_elsewhere(path: str, spec: int, axis: int, values: list, sizes: Sequence[int]) -> None:
+    """An output whose batch lies on another axis concatenates fine when the split is even, into a wrong shape
+    (an LSTM state (L, B, H) under the default out_dims 0 comes back (n*L, B/n, H)). Say so when exactly
+    another axis carries the chunk sizes and the chosen one does not."""
+    if len(values) < 2 or len(values) != len(sizes):
+        return
+    got = [v.shape[axis] for v in values]
+    if got == list(sizes):
+        return
+    others = [k for k in range(values[0].dim()) if k != axis and [v.shape[k] for v in values] == list(sizes)]
+    if others:
+        warnings.warn(
+            f"output `{path}` is concatenated along axis {spec}, where the replicas returned sizes {got}, but its "
+            f"axis {others[0]} carries the batch chunk sizes {list(sizes)}; if the batch is on that axis, set "
+            f"out_dims for `{path}` to {others[0]} (as given, the result has a different shape than the plain "
+            "module's)",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def _all_equal(values: list) -> bool:

@@ -344,3 +344,28 @@ def test_dataclass_spec_errors():
     with pytest.raises(dpfast.ScatterError, match=r"(?s)b\.mask .* \(3, 3\).*suggested fix: DataParallel\(\.\.\., "
                                                  r"in_dims=\{'b': \{'x': 0, 'mask': None, 'tag': None\}\}\)"):
         dp(Batch(torch.randn(4, 3), torch.randn(3, 3)))
+
+
+def test_warns_when_output_batch_is_on_another_axis():
+    """Seed 000 without out_dims: an even split concatenates the (L, B, H) state into a wrong shape; say so."""
+    import warnings
+
+    import dpfast
+
+    class StateOut(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, x, h):
+            return x * self.w, h * self.w
+
+    dp = dpfast.DataParallel(StateOut(), device_ids=["cpu"] * 4, in_dims={"h": 1})
+    x, h = torch.randn(8, 3), torch.randn(1, 8, 5)
+    with pytest.warns(UserWarning, match=r"output `output\[1\]`.*axis 1 carries the batch chunk sizes \[2, 2, 2, 2\]"):
+        dp(x, h)
+    right = dpfast.DataParallel(StateOut(), device_ids=["cpu"] * 4, in_dims={"h": 1}, out_dims=(0, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = right(x, h)
+    assert out[1].shape == h.shape

@@ -93,6 +93,11 @@ def extension():
     torch_version = torch.__version__.split("+")[0]
     define = [("DPFAST_BUILT_WITH_TORCH", f'"{torch_version}"'), ("DPFAST_BUILD_REASON", f'"{reason}"')]
     cxx = ["-O3", "-fvisibility=hidden"]
+    link = []
+    if torch.backends.openmp.is_available() and sys.platform.startswith("linux"):
+        # at::parallel_for is a header template: without -fopenmp it silently runs on one thread in our code
+        cxx.append("-fopenmp")
+        link.append("-fopenmp")
     if with_cuda:
         sources += sorted(glob.glob(os.path.join(here, "csrc", "cuda", "*.cpp")) + glob.glob(os.path.join(here, "csrc", "cuda", "*.cu")))
         arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
@@ -109,6 +114,7 @@ def extension():
         include_dirs=[os.path.join(here, "csrc")],
         define_macros=define,
         extra_compile_args=extra,
+        extra_link_args=link,
     )
 
 

@@ -58,21 +58,25 @@ struct CopyBatch {
   std::vector<std::pair<at::Tensor, at::Tensor>> fallback;  // (src, dst), copied with Tensor::copy_
   int64_t bytes = 0;
 
-  // Queue the copy of `src` into `dst` (same shape and dtype, any strides, same device).
-  void add(const at::Tensor& src, const at::Tensor& dst) {
-    const int64_t n = src.numel();
+  // Queue the copy of `shape` elements from `src_ptr` to `dst_ptr` (strides in elements, same dtype and device).
+  // Ops pass raw geometry rather than a view tensor per chunk (a view costs an allocation per call); `src_base`
+  // and `dst_base` are the tensors the pointers lie in, used only to build views for the rare fallback copy.
+  void add(const void* src_ptr, void* dst_ptr, c10::IntArrayRef shape, c10::IntArrayRef src_stride,
+           c10::IntArrayRef dst_stride, size_t element_size, const at::Tensor& src_base, const at::Tensor& dst_base) {
+    int64_t n = 1;
+    for (int64_t s : shape) n *= s;
     if (n == 0) return;
-    const int64_t es = static_cast<int64_t>(src.element_size());
+    const int64_t es = static_cast<int64_t>(element_size);
     bytes += n * es;
 
     // Dims of size 1 carry no information; then merge each dim into its inner neighbour when both sides
     // are laid out contiguously across the pair, innermost first.
     int64_t sz[64], ss[64], ds[64];
     int nd = 0;
-    for (int64_t d = src.dim() - 1; d >= 0; --d) {
-      const int64_t size = src.size(d);
+    for (int64_t d = static_cast<int64_t>(shape.size()) - 1; d >= 0; --d) {
+      const int64_t size = shape[d];
       if (size == 1) continue;
-      const int64_t s_st = src.stride(d) * es, d_st = dst.stride(d) * es;
+      const int64_t s_st = src_stride[d] * es, d_st = dst_stride[d] * es;
       if (nd > 0 && s_st == ss[nd - 1] * sz[nd - 1] && d_st == ds[nd - 1] * sz[nd - 1]) {
         sz[nd - 1] *= size;  // merged dim keeps the inner stride
         continue;
@@ -89,13 +93,19 @@ struct CopyBatch {
       nd = 1;
     }
     if (nd > kMaxCopyDims) {
-      fallback.emplace_back(src, dst);
+      const int64_t es_base = static_cast<int64_t>(src_base.element_size());
+      auto offset = [&](const at::Tensor& base, const void* p) {
+        return base.storage_offset() +
+               (static_cast<const char*>(p) - static_cast<const char*>(base.const_data_ptr())) / es_base;
+      };
+      fallback.emplace_back(src_base.as_strided(shape, src_stride, offset(src_base, src_ptr)),
+                            dst_base.as_strided(shape, dst_stride, offset(dst_base, dst_ptr)));
       return;
     }
 
     // Widen the unit when the innermost run is contiguous on both sides and everything is aligned to it.
-    const auto sp = reinterpret_cast<uintptr_t>(src.const_data_ptr());
-    const auto dp = reinterpret_cast<uintptr_t>(dst.data_ptr());
+    const auto sp = reinterpret_cast<uintptr_t>(src_ptr);
+    const auto dp = reinterpret_cast<uintptr_t>(dst_ptr);
     int64_t unit = es;
     if (ss[0] == es && ds[0] == es) {
       for (int64_t w = 16; w > es; w /= 2) {

@@ -32,9 +32,13 @@ inline int64_t gather_check(at::TensorList chunks, int64_t dim, std::vector<int6
 
 // Queues the copy of each (already local) chunk into its slice of `out`.
 inline void gather_plan(at::TensorList local_chunks, int64_t d, const at::Tensor& out, CopyBatch& batch) {
+  char* base = static_cast<char*>(out.data_ptr());
+  const int64_t step = out.stride(d) * static_cast<int64_t>(out.element_size());
   int64_t offset = 0;
   for (const at::Tensor& c : local_chunks) {
-    batch.add(c, out.narrow(d, offset, c.size(d)));
+    // the slice out.narrow(d, offset, size) without building the view
+    batch.add(c.const_data_ptr(), base + offset * step, c.sizes(), c.strides(), out.strides(), c.element_size(), c,
+              out);
     offset += c.size(d);
   }
 }

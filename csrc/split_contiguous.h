@@ -16,11 +16,15 @@ inline std::vector<at::Tensor> split_plan(const char* op, at::TensorList xs, int
   std::vector<at::Tensor> outs;
   outs.reserve(xs.size() * sizes.size());
   for (const at::Tensor& x : xs) {
+    // x.narrow(d, offset, s) without building the view: shift the pointer, shrink dim d
+    c10::SmallVector<int64_t, 8> shape(x.sizes().begin(), x.sizes().end());
+    const char* base = static_cast<const char*>(x.const_data_ptr());
+    const int64_t step = x.stride(d) * static_cast<int64_t>(x.element_size());
     int64_t offset = 0;
     for (int64_t s : sizes) {
-      at::Tensor src = x.narrow(d, offset, s);
-      at::Tensor out = at::empty(src.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-      batch.add(src, out);
+      shape[d] = s;
+      at::Tensor out = at::empty(shape, x.options().memory_format(at::MemoryFormat::Contiguous));
+      batch.add(base + offset * step, out.data_ptr(), shape, x.strides(), out.strides(), x.element_size(), x, out);
       outs.push_back(std::move(out));
       offset += s;
     }

@@ -18,9 +18,13 @@ inline std::vector<at::Tensor> transpose01_plan(at::TensorList xs, CopyBatch& ba
     const at::Tensor& x = xs[i];
     TORCH_CHECK_VALUE(x.dim() >= 2, op, ": tensors[", i, "] has shape ", shape_str(x.sizes()), " (", x.dim(),
                       " dims); every tensor needs at least 2 dims to swap dims 0 and 1");
-    at::Tensor src = x.transpose(0, 1);
-    at::Tensor out = at::empty(src.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-    batch.add(src, out);
+    // x.transpose(0, 1) without building the view: swap the first two sizes and strides
+    c10::SmallVector<int64_t, 8> shape(x.sizes().begin(), x.sizes().end());
+    c10::SmallVector<int64_t, 8> stride(x.strides().begin(), x.strides().end());
+    std::swap(shape[0], shape[1]);
+    std::swap(stride[0], stride[1]);
+    at::Tensor out = at::empty(shape, x.options().memory_format(at::MemoryFormat::Contiguous));
+    batch.add(x.const_data_ptr(), out.data_ptr(), shape, stride, out.strides(), x.element_size(), x, out);
     outs.push_back(std::move(out));
   }
   return outs;

@@ -30,18 +30,25 @@ __all__ = [
 ]
 
 
+_DEVICE_CACHE: dict = {}
+
+
 def as_device(d: DeviceLike) -> torch.device:
-    """``0`` -> ``cuda:0``; strings and devices as torch reads them."""
-    if isinstance(d, bool):
-        raise TypeError(f"expected a device (int, str or torch.device), got {d!r}")
-    if isinstance(d, int):
-        return torch.device("cuda", d)
-    if isinstance(d, (str, torch.device)):
-        d = torch.device(d)
-        if d.type == "cuda" and d.index is None and torch.cuda.is_available():
-            d = torch.device("cuda", torch.cuda.current_device())  # so "cuda" and "cuda:0" compare equal
-        return d
-    raise TypeError(f"expected a device (int, str or torch.device), got {type(d).__name__} {d!r}")
+    """``0`` -> ``cuda:0``; strings and devices as torch reads them; a bare ``"cuda"`` -> the current CUDA device."""
+    if type(d) is torch.device and (d.index is not None or d.type == "cpu"):
+        return d  # the common case, already normal
+    if isinstance(d, bool) or not isinstance(d, (int, str, torch.device)):
+        raise TypeError(f"expected a device (int, str or torch.device), got {type(d).__name__} {d!r}")
+    key = (type(d), d)
+    dev = _DEVICE_CACHE.get(key)
+    if dev is None:
+        dev = torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+        if dev.type == "cuda" and dev.index is None:
+            # "cuda" means the current device, which can change: never cached
+            return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else dev
+        if len(_DEVICE_CACHE) < 256:  # parsing a device string costs microseconds; calls repeat the same few
+            _DEVICE_CACHE[key] = dev
+    return dev
 
 
 def _unflatten(flat: Sequence[Tensor], n_tensors: int, n_chunks: int) -> list[list[Tensor]]:

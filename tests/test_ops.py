@@ -312,3 +312,14 @@ def test_cuda_cpu_scatter_and_gather_across_devices():
     assert torch.equal(back, x.detach())
     back.sum().backward()
     assert torch.equal(x.grad, torch.ones_like(x))
+
+
+def test_many_dims_take_the_fallback_path(device):
+    """More than six non-mergeable dims cannot be one copy job; the result must still be exact."""
+    x = make((2, 3, 2, 3, 2, 3, 2, 3), torch.float32, device).permute(7, 5, 3, 1, 0, 2, 4, 6)
+    for o, r in zip(ops.transpose01(x, x[:, :2]), ref.transpose01(x, x[:, :2])):
+        assert_bitexact(o, r)
+    for o, r in zip(ops.split_contiguous([x], 4, [1, 1])[0], ref.split_contiguous([x], 4, [1, 1])[0]):
+        assert_bitexact(o, r)
+    parts = ops.split_contiguous([x], 0, [1, 2])[0]
+    assert_bitexact(ops.gather([parts[0], x[1:]], 0, device), x.contiguous())

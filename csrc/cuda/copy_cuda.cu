@@ -1,7 +1,7 @@
 // The one CUDA kernel: every job of a batch (all tensors, all chunks) in a single launch. Each thread walks
 // the jobs in order and grid-strides over each job's units, so loads and stores of neighbouring threads are
 // neighbouring 16-byte units whenever the innermost run allows it. Up to kInlineJobs jobs travel in the
-// kernel's parameter space (no extra copy); more are staged in device memory by one async copy.
+// kernel's parameter space (no extra copy); more are staged in device memory by one async copy from pinned memory.
 #include "copy_cuda.h"
 
 #include <ATen/ops/empty.h>
@@ -90,12 +90,13 @@ void run_copies_cuda(const CopyBatch& batch) {
       copy_inline_kernel<<<blocks, kThreads, 0, stream>>>(inline_jobs, n);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     } else {
-      // A pageable-to-device async copy returns once the host buffer is staged, so `jobs` may die after it;
-      // the device buffer returns to the caching allocator on this stream, after the kernel.
-      const size_t bytes = jobs.size() * sizeof(CopyJob);
-      at::Tensor staged = at::empty({static_cast<int64_t>(bytes)},
-                                    at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device));
-      C10_CUDA_CHECK(cudaMemcpyAsync(staged.data_ptr(), jobs.data(), bytes, cudaMemcpyHostToDevice, stream));
+      // Staged through pinned memory: torch's non-blocking copy_ records the pinned block's use on this stream,
+      // so the host allocator does not hand it out again before the copy has run, and the host never waits.
+      const int64_t bytes = static_cast<int64_t>(jobs.size() * sizeof(CopyJob));
+      at::Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+      std::memcpy(host.data_ptr(), jobs.data(), static_cast<size_t>(bytes));
+      at::Tensor staged = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device));
+      staged.copy_(host, /*non_blocking=*/true);
       copy_global_kernel<<<blocks, kThreads, 0, stream>>>(reinterpret_cast<const CopyJob*>(staged.data_ptr()), n);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }

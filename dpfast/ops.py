@@ -152,22 +152,11 @@ else:
         return reference.scatter(tensors, dim, sizes, [as_device(d) for d in devices])
 
 
-def _state_map(state: State, name: str) -> State:
-    if isinstance(state, Tensor):
-        return transpose01(state)[0]
-    if isinstance(state, tuple) and len(state) > 0 and all(isinstance(s, Tensor) for s in state):
-        return tuple(transpose01(*state))  # h and c in one launch
-    raise TypeError(
-        f"{name}: state must be a Tensor (GRU/RNN) or a tuple of Tensors such as (h, c) (LSTM), "
-        f"got {type(state).__name__}"
-    )
-
-
 def state_to_batch_first(state: State) -> State:
     """RNN state ``(L*D, B, H)``, or an ``(h, c)`` tuple of them, to ``(B, L*D, H)`` in one launch."""
-    return _state_map(state, "state_to_batch_first")
+    return reference._map_state(state, "state_to_batch_first", transpose01)
 
 
 def state_to_layer_first(state: State) -> State:
     """RNN state ``(B, L*D, H)``, or an ``(h, c)`` tuple of them, to ``(L*D, B, H)`` in one launch."""
-    return _state_map(state, "state_to_layer_first")
+    return reference._map_state(state, "state_to_layer_first", transpose01)

@@ -6,7 +6,7 @@ Results are fresh contiguous tensors (never views of the inputs), as the fused o
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import Callable, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -40,11 +40,14 @@ def transpose01(*tensors: Tensor) -> tuple[Tensor, ...]:
     return tuple(_fresh(x.transpose(0, 1)) for x in tensors)
 
 
-def _map_state(state: State, name: str) -> State:
+def _map_state(state: State, name: str, transpose: Callable[..., tuple] = transpose01) -> State:
+    """Apply ``transpose`` (a transpose01) to an RNN state: a Tensor, or a tuple/list of Tensors such as (h, c),
+    all in one call; the structure comes back as given. Shared with :mod:`dpfast.ops`."""
     if isinstance(state, Tensor):
-        return transpose01(state)[0]
-    if isinstance(state, tuple) and len(state) > 0 and all(isinstance(s, Tensor) for s in state):
-        return tuple(transpose01(*state))
+        return transpose(state)[0]
+    if isinstance(state, (tuple, list)) and len(state) > 0 and all(isinstance(s, Tensor) for s in state):
+        out = transpose(*state)
+        return list(out) if isinstance(state, list) else tuple(out)
     raise TypeError(
         f"{name}: state must be a Tensor (GRU/RNN) or a tuple of Tensors such as (h, c) (LSTM), "
         f"got {type(state).__name__}"

@@ -96,8 +96,10 @@ def test_state_helpers(device):
     assert torch.equal(h2, h) and torch.equal(c2, c)
     g = ops.state_to_batch_first(h)
     assert isinstance(g, torch.Tensor) and torch.equal(g, ref.state_to_batch_first(h))
+    hl = ops.state_to_batch_first([h, c])  # a list (as code ported from permute loops builds) stays a list
+    assert isinstance(hl, list) and torch.equal(hl[0], hb) and torch.equal(hl[1], cb)
     with pytest.raises(TypeError, match="state must be a Tensor"):
-        ops.state_to_batch_first([h, c])
+        ops.state_to_batch_first({"h": h})
 
 
 # ---- split_contiguous / scatter / gather -----------------------------------------------------------------------

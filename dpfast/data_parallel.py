@@ -43,7 +43,9 @@ def _device(d: DeviceLike, what: str) -> torch.device:
             raise ValueError(
                 f"{what} is {d!r} but only {torch.cuda.device_count()} CUDA device(s) are visible"
             )
-    elif dev.type != "cpu":
+    elif dev.type == "cpu":
+        dev = torch.device("cpu")  # 'cpu:0' is the CPU: its tensors report device('cpu'), so compare to that
+    else:
         raise ValueError(f"{what} is {d!r}; dpfast.DataParallel runs on 'cpu' and CUDA devices")
     return dev
 

@@ -83,7 +83,8 @@ def _wrap(exc: BaseException, index: int, device: torch.device, n_failed: int) -
     msg = f"replica {index} on {device} raised {type(exc).__name__}: {exc}{others}"
     try:
         new = type(exc)(msg)
-        if isinstance(new, type(exc)) and str(new) == msg:
+        # args, not str(): str(KeyError(m)) is repr(m), yet a KeyError must stay a KeyError (as in torch)
+        if isinstance(new, type(exc)) and new.args == (msg,):
             return new
     except Exception:
         pass

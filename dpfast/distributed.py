@@ -106,7 +106,8 @@ def _take(tree: ArgumentTree, mapped: Sequence[Mapped], start: int, length: int,
     """The call's ``(args, kwargs)`` with every mapped leaf cut to rows ``start:start+length`` along its axis.
 
     Tensors are narrowed (a view when the axis is 0, else made contiguous); PackedSequences are split by sequence in
-    the caller's order with the same code ``DataParallel`` uses (chunk ``index`` of ``sizes``). Everything else,
+    the caller's order with the same code ``DataParallel`` uses (``sizes`` and ``index`` are not needed for that and
+    are kept for the callers). Everything else,
     spec ``None`` included, is passed as given.
     """
     by_leaf = {id(m.leaf): m for m in mapped}
@@ -120,8 +121,11 @@ def _take(tree: ArgumentTree, mapped: Sequence[Mapped], start: int, length: int,
         elif m.is_packed:
             if length == 0:
                 raise ValueError(f"`{leaf.path}` is a PackedSequence, which cannot hold zero sequences")
+            # sequences start:start+length; the other ranks' rows as (at most) two chunks, never an empty one
+            # (scatter_packed cannot pack zero sequences), so empty shares elsewhere and the ghost work too
             ps = leaf.value
-            values.append(scatter_packed(ps, list(sizes), [ps.data.device] * len(sizes))[index])
+            parts = [n for n in (start, length, m.size - start - length) if n]
+            values.append(scatter_packed(ps, parts, [ps.data.device] * len(parts))[1 if start else 0])
         else:
             v = value.narrow(m.axis, start, length)
             values.append(v if m.axis == 0 else v.contiguous())

@@ -394,3 +394,27 @@ def test_shard_batch_specs_and_errors():
 def test_needs_a_process_group():
     with pytest.raises(RuntimeError, match="init_process_group"):
         dpfast.DistributedDataParallel(nn.Linear(2, 2))
+
+
+def test_shard_batch_packed_sequence_with_empty_shares():
+    """A PackedSequence share when another rank's share is empty (B < world, or a zero weight) crashed with
+    `max(): Expected reduction dim` on the ranks that do have rows (scatter_packed was given the zero chunks)."""
+    from torch.nn.utils.rnn import pack_sequence, pad_packed_sequence
+
+    seqs = [torch.randn(3, 2), torch.randn(2, 2), torch.randn(4, 2)]
+    ps = pack_sequence(seqs, enforce_sorted=False)
+    for world, weights in ((4, None), (3, [1, 0, 2]), (5, [0, 1, 0, 1, 1])):
+        sizes = dpfast._plan.split_sizes(3, world, dpfast._plan.validate_chunk_sizes(weights, world))
+        start = 0
+        for r in range(world):
+            if sizes[r] == 0:
+                with pytest.raises(ValueError, match="cannot hold zero sequences"):
+                    shard_batch(ps, r, world, chunk_sizes=weights)
+                continue
+            part = shard_batch(ps, r, world, chunk_sizes=weights)
+            padded, lengths = pad_packed_sequence(part, batch_first=True)
+            want = seqs[start: start + sizes[r]]
+            assert lengths.tolist() == [len(s) for s in want]
+            for row, s in zip(padded, want):
+                torch.testing.assert_close(row[: len(s)], s)
+            start += sizes[r]

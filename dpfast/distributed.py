@@ -480,11 +480,14 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     # -- the call -------------------------------------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        tree = ArgumentTree(self._specs, inputs, kwargs)
         local_error: Optional[BaseException] = None
         batch: Optional[int] = None
         mapped: list[Mapped] = []
+        tree: Optional[ArgumentTree] = None
         try:
+            # binding can fail on one rank only (a structure that does not match its spec): that rank must reach
+            # the agreement below too, or the others wait there for it
+            tree = ArgumentTree(self._specs, inputs, kwargs)
             mapped = mapped_leaves(tree)
             batch = check_batch(tree, self._specs, mapped)
         except (ScatterError, TypeError, ValueError) as exc:
@@ -493,6 +496,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             self._agree(tree, mapped, batch, local_error)
         elif local_error is not None:
             raise local_error
+        assert tree is not None
 
         W, r = self._world, self._rank
         subs = self._average_input_grads(tree)
@@ -571,7 +575,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
 
     # -- agreeing on the batch ------------------------------------------------------------------------------
 
-    def _local_summary(self, tree: ArgumentTree, mapped: Sequence[Mapped], batch: Optional[int],
+    def _local_summary(self, tree: Optional[ArgumentTree], mapped: Sequence[Mapped], batch: Optional[int],
                        error: Optional[BaseException]) -> str:
         if error is not None:
             first = str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -581,11 +585,13 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             parts.append(f"{m.leaf.path} {shape_text(m.leaf.value)}")
         return ", ".join(parts)
 
-    def _agree(self, tree: ArgumentTree, mapped: Sequence[Mapped], batch: Optional[int],
+    def _agree(self, tree: Optional[ArgumentTree], mapped: Sequence[Mapped], batch: Optional[int],
                error: Optional[BaseException]) -> None:
-        items: list[Any] = [self._specs.signature_text, tree.n_args, tree.kw_keys]
+        items: list[Any] = [self._specs.signature_text]
+        if tree is not None:
+            items += [tree.n_args, tree.kw_keys]
         by_leaf = {id(m.leaf): m for m in mapped}
-        for leaf in tree.leaves:
+        for leaf in tree.leaves if tree is not None else ():
             v = leaf.value
             m = by_leaf.get(id(leaf))
             if m is not None:

@@ -185,6 +185,7 @@ def _scenarios(world):
     out["mismatched_batch"] = _mismatched_batch
     out["one_rank_bad_inputs"] = _one_rank_bad_inputs
     out["mismatched_values"] = _mismatched_values
+    out["one_rank_bad_structure"] = _one_rank_bad_structure
     out["shard_helpers"] = _shard_helpers
     return out
 
@@ -249,6 +250,21 @@ def _one_rank_bad_inputs():
     msg = _expect_batch_error(ddp, x, hid, h, contains=("rank 1 could not split its inputs",))
     if rank == 1:
         assert "suggested fix" in msg, msg
+
+
+def _one_rank_bad_structure():
+    """An argument whose structure does not match its spec on one rank only (in_dims={'h': (1, 1)} but h is one
+    tensor): that rank raised TypeError at once while the others waited in the batch agreement until the timeout."""
+    rank = dist.get_rank()
+    ddp = dpfast.DistributedDataParallel(RRN().to(DT), in_dims={"h": (1, 1)}, out_dims=(0, 0, 1), gather_outputs=True)
+    x, hid, h = _rrn_inputs(5)
+    if rank == 1:
+        h = h[0]
+    t0 = time.monotonic()
+    msg = _expect_batch_error(ddp, x, hid, h, contains=("rank 1 could not split its inputs",))
+    assert time.monotonic() - t0 < 20, "a rank waited for a collective timeout"
+    if rank == 1:
+        assert "is a tuple of 2 specs" in msg, msg
 
 
 def _mismatched_values():

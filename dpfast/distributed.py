@@ -654,8 +654,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             mean_w = [1.0 if i == 0 else 0.0 for i in range(W)]
         spec = self.dim if self.out_dims is None else self.out_dims
         leaves: list[SpecLeaf] = []
-        tdef = match_spec(out, spec, "output", self.dim, self.out_dims is not None, "out_dims", leaves)
-
+        tdef = None
         # classify the leaves; numbers under "sum"/"mean" travel as 0-dim tensors
         desc: list[Any] = []
         tensors: list[Tensor] = []
@@ -663,74 +662,92 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         slots: list[Any] = []  # per leaf: ("keep",) | ("t", index, number_type or None)
         axes: list[int] = []
         weights: list[float] = []
-        for leaf in leaves:
-            v, s = leaf.value, leaf.spec
-            if v is None or s is None:
-                desc.append((leaf.path, "keep", repr(s), v is None))
-                slots.append(("keep",))
-                continue
-            if isinstance(s, str):
-                if isinstance(v, Tensor):
-                    t, num = v, None
-                elif isinstance(v, numbers.Number) and not isinstance(v, bool):
-                    num = type(v) if s == "sum" and isinstance(v, int) else float
-                    t = torch.tensor(v, dtype=torch.int64 if num is int else torch.float64)
-                else:
-                    raise TypeError(f"output `{leaf.path}` is a {type(v).__name__}; out_dims {s!r} needs tensors "
-                                    "or numbers from every rank")
-                desc.append((leaf.path, s, tuple(t.shape), str(t.dtype)))
-                slots.append(("t", len(tensors), num))
-                tensors.append(t)
-                kinds.append("red")
-                axes.append(0)
-                weights.append(mean_w[r] if s == "mean" else (1.0 if active[r] else 0.0))
-                continue
-            if isinstance(v, PackedSequence):
-                raise TypeError(f"output `{leaf.path}` is a PackedSequence, which gather_outputs cannot all-gather "
-                                "yet; return it padded (torch.nn.utils.rnn.pad_packed_sequence), or give it "
-                                "out_dims None to keep this rank's own value")
-            if not isinstance(v, Tensor):
-                raise TypeError(f"output `{leaf.path}` is a {type(v).__name__}, which cannot be concatenated along "
-                                f"axis {s}; give it out_dims None (this rank's value), 'sum' or 'mean'")
-            if v.dim() and not -v.dim() <= s < v.dim():
-                raise ValueError(f"output `{leaf.path}` has shape {tuple(v.shape)}: axis {s} is out of range; give "
-                                 "it another out_dims axis, or None/'sum'/'mean'")
-            axis = s % v.dim() if v.dim() else 0
-            desc.append((leaf.path, "cat", axis, v.dim(), str(v.dtype),
-                         tuple(n for i, n in enumerate(v.shape) if i != axis)))
-            slots.append(("t", len(tensors), None))
-            tensors.append(v)
-            kinds.append("cat")
-            axes.append(axis)
-            weights.append(1.0)
+        # An output this rank cannot gather (its own structure or shape) is reported through the exchange below,
+        # so that every rank raises instead of the others waiting in it.
+        local_error: Optional[BaseException] = None
+        try:
+            tdef = match_spec(out, spec, "output", self.dim, self.out_dims is not None, "out_dims", leaves)
+            for leaf in leaves:
+                v, s = leaf.value, leaf.spec
+                if v is None or s is None:
+                    desc.append((leaf.path, "keep", repr(s), v is None))
+                    slots.append(("keep",))
+                    continue
+                if isinstance(s, str):
+                    if isinstance(v, Tensor):
+                        t, num = v, None
+                    elif isinstance(v, numbers.Number) and not isinstance(v, bool):
+                        num = type(v) if s == "sum" and isinstance(v, int) else float
+                        t = torch.tensor(v, dtype=torch.int64 if num is int else torch.float64)
+                    else:
+                        raise TypeError(f"output `{leaf.path}` is a {type(v).__name__}; out_dims {s!r} needs "
+                                        "tensors or numbers from every rank")
+                    desc.append((leaf.path, s, tuple(t.shape), str(t.dtype)))
+                    slots.append(("t", len(tensors), num))
+                    tensors.append(t)
+                    kinds.append("red")
+                    axes.append(0)
+                    weights.append(mean_w[r] if s == "mean" else (1.0 if active[r] else 0.0))
+                    continue
+                if isinstance(v, PackedSequence):
+                    raise TypeError(f"output `{leaf.path}` is a PackedSequence, which gather_outputs cannot "
+                                    "all-gather yet; return it padded (torch.nn.utils.rnn.pad_packed_sequence), or "
+                                    "give it out_dims None to keep this rank's own value")
+                if not isinstance(v, Tensor):
+                    raise TypeError(f"output `{leaf.path}` is a {type(v).__name__}, which cannot be concatenated "
+                                    f"along axis {s}; give it out_dims None (this rank's value), 'sum' or 'mean'")
+                if v.dim() and not -v.dim() <= s < v.dim():
+                    raise ValueError(f"output `{leaf.path}` has shape {tuple(v.shape)}: axis {s} is out of range; "
+                                     "give it another out_dims axis, or None/'sum'/'mean'")
+                axis = s % v.dim() if v.dim() else 0
+                desc.append((leaf.path, "cat", axis, v.dim(), str(v.dtype),
+                             tuple(n for i, n in enumerate(v.shape) if i != axis)))
+                slots.append(("t", len(tensors), None))
+                tensors.append(v)
+                kinds.append("cat")
+                axes.append(axis)
+                weights.append(1.0)
+        except (TypeError, ValueError) as exc:
+            local_error = exc
+            desc = [("error", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")]
+            tensors, kinds, axes = [], [], []
 
         # one small all-gather: structure fingerprint and the rows of every "cat" tensor
         n_cat = sum(1 for k in kinds if k == "cat")
-        meta = [_fingerprint(desc), n_cat]
+        meta = [_fingerprint(desc), n_cat, 0 if local_error is None else 1]
         for t, k, a in zip(tensors, kinds, axes):
             if k == "cat":
                 meta.append((1 if t.dim() == 0 else t.shape[a]) if active[r] else 0)
         # n_cat is in the fingerprint's structure, so equal fingerprints mean equal lengths; lengths are checked
         # by a first fixed-size exchange only when they could differ.
-        head = torch.tensor(meta[:2], dtype=torch.int64, device=self._comm_device)
+        head = torch.tensor(meta[:3], dtype=torch.int64, device=self._comm_device)
         heads = [torch.empty_like(head) for _ in range(W)]
         dist.all_gather(heads, head, group=self.process_group)
-        if any(not torch.equal(h, heads[0]) for h in heads):
+        if any(not torch.equal(h, heads[0]) or int(h[2]) for h in heads):
             summaries: list[Any] = [None] * W
             dist.all_gather_object(summaries, [d for d in desc], group=self.process_group)
-            lines = ["dpfast.DistributedDataParallel(gather_outputs=True): the ranks returned different output "
-                     "structures (paths, specs, dtypes or non-batch shapes differ); every rank must return the same "
-                     "structure to be gathered"]
+            failed = [i for i, h in enumerate(heads) if int(h[2])]
+            if failed:
+                lines = [f"dpfast.DistributedDataParallel(gather_outputs=True): rank{'s' if len(failed) > 1 else ''} "
+                         f"{', '.join(map(str, failed))} could not gather {'their' if len(failed) > 1 else 'its'} "
+                         "outputs, so no rank gathers them"]
+            else:
+                lines = ["dpfast.DistributedDataParallel(gather_outputs=True): the ranks returned different output "
+                         "structures (paths, specs, dtypes or non-batch shapes differ); every rank must return the "
+                         "same structure to be gathered"]
             for i, s in enumerate(summaries):
                 lines.append(f"  rank {i}{' (this rank)' if i == r else ''}: {s}")
+            if local_error is not None:
+                raise type(local_error)("\n".join(lines) + "\n" + str(local_error)) from local_error
             raise ValueError("\n".join(lines))
         rows_per_cat: list[list[int]] = []
         if n_cat:
-            body = torch.tensor(meta[2:], dtype=torch.int64, device=self._comm_device)
+            body = torch.tensor(meta[3:], dtype=torch.int64, device=self._comm_device)
             bodies = [torch.empty_like(body) for _ in range(W)]
             dist.all_gather(bodies, body, group=self.process_group)
             table = [b.tolist() for b in bodies]
             rows_per_cat = [[table[q][j] for q in range(W)] for j in range(n_cat)]
+        assert tdef is not None
         rows: list[Optional[list[int]]] = []
         j = 0
         for k in kinds:

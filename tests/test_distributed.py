@@ -186,6 +186,7 @@ def _scenarios(world):
     out["one_rank_bad_inputs"] = _one_rank_bad_inputs
     out["mismatched_values"] = _mismatched_values
     out["one_rank_bad_structure"] = _one_rank_bad_structure
+    out["one_rank_cannot_gather"] = _one_rank_cannot_gather
     out["shard_helpers"] = _shard_helpers
     return out
 
@@ -265,6 +266,33 @@ def _one_rank_bad_structure():
     assert time.monotonic() - t0 < 20, "a rank waited for a collective timeout"
     if rank == 1:
         assert "is a tuple of 2 specs" in msg, msg
+
+
+class Squeezed(nn.Module):
+    """Returns (n, 2) per rank but squeezes a 1-row share to (2,): out_dims 1 is out of range on that rank only."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.lin(x).squeeze(0)
+
+
+def _one_rank_cannot_gather():
+    """An output that one rank cannot gather (axis out of range there only) raised on that rank before the
+    output exchange, and the other ranks waited in it until the timeout."""
+    world = dist.get_world_size()
+    ddp = dpfast.DistributedDataParallel(Squeezed().to(DT), out_dims=1, gather_outputs=True)
+    x, _ = _xy(2 * world - 1)  # the last rank gets one row
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=f"rank {world - 1} could not gather its outputs") as e:
+        ddp(x)
+    assert time.monotonic() - t0 < 20, "a rank waited for a collective timeout"
+    for rank in range(world):
+        assert f"rank {rank}" in str(e.value)
+    out = dpfast.DistributedDataParallel(Squeezed().to(DT), out_dims=0, gather_outputs=True)(_xy(2 * world)[0])
+    assert out.shape == (2 * world, 2)  # the group is still usable
 
 
 def _mismatched_values():

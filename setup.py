@@ -91,7 +91,11 @@ def extension():
     sources = sorted(glob.glob(os.path.join(here, "csrc", "*.cpp")) + glob.glob(os.path.join(here, "csrc", "cpu", "*.cpp")))
     arch_list = ""
     torch_version = torch.__version__.split("+")[0]
-    define = [("DPFAST_BUILT_WITH_TORCH", f'"{torch_version}"'), ("DPFAST_BUILD_REASON", f'"{reason}"')]
+    # Only facts that change the object code go into compile flags: a changed flag recompiles every file. The
+    # decision's wording goes to a file next to the extension instead.
+    define = [("DPFAST_BUILT_WITH_TORCH", f'"{torch_version}"')]
+    with open(os.path.join(here, "dpfast", "_build_reason.txt"), "w") as f:
+        f.write(reason + "\n")
     cxx = ["-O3", "-fvisibility=hidden"]
     link = []
     if torch.backends.openmp.is_available() and sys.platform.startswith("linux"):

@@ -8,9 +8,6 @@
 #ifndef DPFAST_BUILT_WITH_TORCH
 #define DPFAST_BUILT_WITH_TORCH "unknown"
 #endif
-#ifndef DPFAST_BUILD_REASON
-#define DPFAST_BUILD_REASON ""
-#endif
 
 // `import dpfast._C` loads this library, which registers the ops below as a side effect. The module itself only
 // carries build facts for dpfast.build_info(); no pybind11 is needed.
@@ -26,7 +23,6 @@ PyMODINIT_FUNC PyInit__C(void) {
 #endif
   PyModule_AddStringConstant(m, "cuda_arch_list", DPFAST_CUDA_ARCH_LIST);
   PyModule_AddStringConstant(m, "built_with_torch", DPFAST_BUILT_WITH_TORCH);
-  PyModule_AddStringConstant(m, "build_reason", DPFAST_BUILD_REASON);
   return m;
 }
 

@@ -54,10 +54,19 @@ def build_info() -> dict:
         "cuda_kernels_compiled": bool(getattr(C, "cuda_kernels_compiled", False)),
         "cuda_arch_list": getattr(C, "cuda_arch_list", None) or None,
         "built_with_torch": getattr(C, "built_with_torch", None),
-        "build_reason": getattr(C, "build_reason", None),
+        "build_reason": _build_reason() if LOADED else None,
         "ops_backend": "torch.ops.dpfast (C++)" if LOADED else "dpfast.reference (plain PyTorch fallback)",
     }
     return info
+
+
+def _build_reason() -> Optional[str]:
+    """Why CUDA kernels were (not) built, as setup.py wrote it beside the extension."""
+    try:
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_build_reason.txt")) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def _version() -> str:

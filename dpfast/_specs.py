@@ -353,6 +353,15 @@ _DEFAULT = object()
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def forward_of(module: Any) -> Callable:
+    """The ``forward`` whose signature names the arguments. ``torch.compile(model)`` returns a wrapper whose
+    ``forward`` is ``(*args, **kwargs)``: names in ``in_dims`` would then bind to nothing, so look through it."""
+    inner = getattr(module, "_orig_mod", None)
+    if inner is not None and type(module).__name__ == "OptimizedModule":
+        return forward_of(inner)
+    return module.forward
+
+
 class ArgumentSpecs:
     """``in_dims`` resolved against ``forward``'s signature, so ``f(x, mask=m)`` and ``f(x, m)`` split alike.
 

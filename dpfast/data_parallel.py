@@ -16,7 +16,7 @@ from torch.nn.utils.rnn import PackedSequence
 from ._execute import _Pool, run_replicas
 from ._plan import Plan, check_batch, choose_batch, mapped_leaves, plan_rows, split_sizes, validate_chunk_sizes
 from ._replicas import ReplicaCache
-from ._specs import ArgumentSpecs, ArgumentTree, Spec, validate_spec
+from ._specs import ArgumentSpecs, ArgumentTree, Spec, forward_of, validate_spec
 from ._transfer import gather_outputs, move_tree, scatter_tree
 
 DeviceLike = Union[int, str, torch.device]
@@ -111,7 +111,7 @@ class DataParallel(nn.Module):
         self.chunk_sizes = chunk_sizes
         # Everything about the specs is checked now, against forward's signature; only the structure of each
         # call's values is left to check per call.
-        self._specs = ArgumentSpecs(module.forward, in_dims, dim)
+        self._specs = ArgumentSpecs(forward_of(module), in_dims, dim)
         validate_spec(out_dims, "out_dims", allow_reductions=True)
 
         if device_ids is None and not torch.cuda.is_available():

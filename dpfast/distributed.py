@@ -64,7 +64,7 @@ from torch.distributed.utils import _to_kwargs
 from torch.nn.utils.rnn import PackedSequence
 
 from ._plan import Mapped, ScatterError, check_batch, mapped_leaves, shape_text, split_sizes, validate_chunk_sizes
-from ._specs import ArgumentSpecs, ArgumentTree, Spec, SpecLeaf, match_spec, unflatten, validate_spec
+from ._specs import ArgumentSpecs, ArgumentTree, Spec, SpecLeaf, forward_of, match_spec, unflatten, validate_spec
 from ._transfer import scatter_packed
 
 __all__ = [
@@ -441,7 +441,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if check_batch not in (True, False, "values"):
             raise ValueError(f"check_batch must be True, False or 'values', got {check_batch!r}")
         # Everything about the specs is checked before torch's DDP broadcasts anything.
-        specs = ArgumentSpecs(module.forward, in_dims, dim)
+        specs = ArgumentSpecs(forward_of(module), in_dims, dim)
         validate_spec(out_dims, "out_dims", allow_reductions=True)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(

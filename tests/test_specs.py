@@ -241,3 +241,18 @@ def test_suggestion_for_var_args_and_no_signature():
     assert [(lf.path, lf.spec) for lf in tree.leaves] == [
         ("args[0]", 0), ("args[1]", None), ("args[2]", 0), ("kwargs['alpha']", 0)]
     assert specs.suggestion({"args[2]": None}) == "in_dims=[0, None, None]"
+
+
+def test_in_dims_names_bind_through_torch_compile():
+    """torch.compile(model).forward is (*args, **kwargs); names must still bind to the model's own parameters."""
+    import dpfast
+
+    class Seq(torch.nn.Module):
+        def forward(self, x, h):
+            return x, h
+
+    compiled = torch.compile(Seq(), backend="eager")
+    dp = dpfast.DataParallel(compiled, device_ids=["cpu"] * 2, in_dims={"h": 1})
+    plan = dp.plan(torch.zeros(4, 3), torch.zeros(2, 4, 5))  # h passed by position
+    assert plan.sizes == [2, 2]
+    assert "(2, 2, 5)" in str(plan)

@@ -46,8 +46,9 @@ inline void check_defined(const char* op, const char* what, at::TensorList xs) {
   }
 }
 
-// Concrete chunk sizes: each >= 0, summing to the size of `dim` in every tensor. Returns the wrapped dim.
-inline int64_t check_split(const char* op, at::TensorList xs, int64_t dim, c10::SymIntArrayRef sym_sizes,
+// Concrete chunk sizes: each >= 0, summing to the size of `dim` in every tensor. A negative `dim` wraps per
+// tensor (the tensors may differ in rank), so callers wrap it for each tensor themselves.
+inline void check_split(const char* op, at::TensorList xs, int64_t dim, c10::SymIntArrayRef sym_sizes,
                            std::vector<int64_t>& sizes) {
   check_defined(op, "tensors", xs);
   check_same_device(op, xs);
@@ -59,14 +60,12 @@ inline int64_t check_split(const char* op, at::TensorList xs, int64_t dim, c10::
     sizes.push_back(s);
     total += s;
   }
-  int64_t wrapped = dim;
   for (size_t i = 0; i < xs.size(); ++i) {
-    wrapped = wrap_dim(op, "tensors", i, xs[i], dim);
+    const int64_t wrapped = wrap_dim(op, "tensors", i, xs[i], dim);
     TORCH_CHECK_VALUE(total == xs[i].size(wrapped), op, ": sizes ", list_str(sizes), " sum to ", total,
                       " but tensors[", i, "] has size ", xs[i].size(wrapped), " along dim ", dim, " (shape ",
                       shape_str(xs[i].sizes()), "); the sizes must sum to that axis");
   }
-  return wrapped;
 }
 
 }  // namespace dpfast

@@ -12,10 +12,12 @@ namespace dpfast {
 inline std::vector<at::Tensor> split_plan(const char* op, at::TensorList xs, int64_t dim,
                                           c10::SymIntArrayRef sym_sizes, CopyBatch& batch) {
   std::vector<int64_t> sizes;
-  const int64_t d = check_split(op, xs, dim, sym_sizes, sizes);
+  check_split(op, xs, dim, sym_sizes, sizes);
   std::vector<at::Tensor> outs;
   outs.reserve(xs.size() * sizes.size());
   for (const at::Tensor& x : xs) {
+    // a negative dim counts from each tensor's own end: (5, 3) and (2, 5, 3) split dim -2 along 0 and 1
+    const int64_t d = dim < 0 ? dim + x.dim() : dim;
     // x.narrow(d, offset, s) without building the view: shift the pointer, shrink dim d
     c10::SmallVector<int64_t, 8> shape(x.sizes().begin(), x.sizes().end());
     const char* base = static_cast<const char*>(x.const_data_ptr());

@@ -325,3 +325,15 @@ def test_many_dims_take_the_fallback_path(device):
         assert_bitexact(o, r)
     parts = ops.split_contiguous([x], 0, [1, 2])[0]
     assert_bitexact(ops.gather([parts[0], x[1:]], 0, device), x.contiguous())
+
+
+# ---- review regressions ------------------------------------------------------------------------------------------
+
+def test_negative_dim_wraps_per_tensor(device):
+    """Tensors of different rank: dim -2 is axis 0 of a (5, 3) and axis 1 of a (2, 5, 3) (it was wrapped once,
+    for the last tensor, which split the first along the wrong axis and read past its end)."""
+    xs = [make((5, 3), torch.float32, device), make((2, 5, 3), torch.float32, device, "transposed", seed=1)]
+    for fn, args in ((ops.split_contiguous, ()), (ops.scatter, ([device] * 2,))):
+        for row, erow in zip(fn(xs, -2, [2, 3], *args), ref.split_contiguous(xs, -2, [2, 3])):
+            for o, e in zip(row, erow):
+                assert_bitexact(o, e)

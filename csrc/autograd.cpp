@@ -4,6 +4,7 @@
 //
 // transpose01 <- transpose01;  split_contiguous, scatter <- gather (per input tensor);  gather <- scatter.
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/zeros_like.h>
 #include <c10/core/WrapDimMinimal.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -55,13 +56,43 @@ const c10::TypedOperatorHandle<GatherFn>& gather_op() {
   return op;
 }
 
-// Connects outputs to `node`; integer and bool outputs carry no gradient.
-void attach(const std::vector<at::Tensor>& outs, const NodePtr& node) {
-  for (const at::Tensor& o : outs) {
-    if (torch::autograd::isDifferentiableType(o.scalar_type())) {
+// Connects outputs to `node`. Output k comes from input `k / per_input` (per_input 0: from all of them); only the
+// outputs of inputs that require grad are tracked (a mask split alongside x stays requires_grad=False, as with the
+// reference), and integer and bool outputs carry no gradient. Untracked outputs keep a slot with undefined metadata.
+void attach(const std::vector<at::Tensor>& outs, at::TensorList inputs, size_t per_input, const NodePtr& node) {
+  for (size_t k = 0; k < outs.size(); ++k) {
+    const at::Tensor& o = outs[k];
+    const bool tracked = per_input == 0 || inputs[k / per_input].requires_grad();
+    if (tracked && torch::autograd::isDifferentiableType(o.scalar_type())) {
       torch::autograd::set_history(o, node);
     } else {
       node->add_input_metadata(Node::undefined_input());
+    }
+  }
+}
+
+// ---- Forward-mode AD: every op is linear, so an output's tangent is the op applied to the input tangents ----
+
+bool has_tangent(const at::Tensor& t) { return t.defined() && t._fw_grad(/*level=*/0).defined(); }
+
+// Indices of the inputs that carry a tangent, and those tangents.
+std::vector<size_t> tangents_of(at::TensorList xs, std::vector<at::Tensor>& tangents) {
+  std::vector<size_t> which;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    if (has_tangent(xs[i])) {
+      which.push_back(i);
+      tangents.push_back(xs[i]._fw_grad(/*level=*/0));
+    }
+  }
+  return which;
+}
+
+// Output `which[k] * per_input + j` takes tangent `k * per_input + j` of `moved`.
+void set_tangents(std::vector<at::Tensor>& outs, const std::vector<size_t>& which, size_t per_input,
+                  const std::vector<at::Tensor>& moved) {
+  for (size_t k = 0; k < which.size(); ++k) {
+    for (size_t j = 0; j < per_input; ++j) {
+      outs[which[k] * per_input + j]._set_fw_grad(moved[k * per_input + j], /*level=*/0, /*is_inplace_op=*/false);
     }
   }
 }
@@ -146,8 +177,11 @@ std::vector<at::Tensor> transpose01_autograd(at::TensorList xs) {
   if (torch::autograd::compute_requires_grad(xs)) {
     auto node = make_node<Transpose01Backward>();
     node->set_next_edges(torch::autograd::collect_next_edges(xs));
-    attach(outs, node);
+    attach(outs, xs, 1, node);
   }
+  std::vector<at::Tensor> tangents;
+  const auto which = tangents_of(xs, tangents);
+  if (!which.empty()) set_tangents(outs, which, 1, transpose01_op().call(tangents));
   return outs;
 }
 
@@ -160,8 +194,11 @@ std::vector<at::Tensor> split_contiguous_autograd(at::TensorList xs, int64_t dim
   if (torch::autograd::compute_requires_grad(xs)) {
     auto node = make_node<SplitBackward>("dpfast::SplitContiguousBackward", dim, sizes.size(), devices_of(xs));
     node->set_next_edges(torch::autograd::collect_next_edges(xs));
-    attach(outs, node);
+    attach(outs, xs, sizes.size(), node);
   }
+  std::vector<at::Tensor> tangents;
+  const auto which = tangents_of(xs, tangents);
+  if (!which.empty()) set_tangents(outs, which, sizes.size(), split_op().call(tangents, dim, sizes));
   return outs;
 }
 
@@ -175,8 +212,11 @@ std::vector<at::Tensor> scatter_autograd(at::TensorList xs, int64_t dim, c10::Sy
   if (torch::autograd::compute_requires_grad(xs)) {
     auto node = make_node<SplitBackward>("dpfast::ScatterBackward", dim, sizes.size(), devices_of(xs));
     node->set_next_edges(torch::autograd::collect_next_edges(xs));
-    attach(outs, node);
+    attach(outs, xs, sizes.size(), node);
   }
+  std::vector<at::Tensor> tangents;
+  const auto which = tangents_of(xs, tangents);
+  if (!which.empty()) set_tangents(outs, which, sizes.size(), scatter_op().call(tangents, dim, sizes, devices));
   return outs;
 }
 
@@ -192,7 +232,15 @@ at::Tensor gather_autograd(at::TensorList chunks, int64_t dim, c10::Device devic
     for (const at::Tensor& c : chunks) sizes.push_back(c.sym_size(c10::maybe_wrap_dim(dim, c.dim())));
     auto node = make_node<GatherBackward>(dim, std::move(sizes), devices_of(chunks));
     node->set_next_edges(torch::autograd::collect_next_edges(chunks));
-    attach({out}, node);
+    attach({out}, chunks, 0, node);
+  }
+  bool any_tangent = false;
+  for (const at::Tensor& c : chunks) any_tangent = any_tangent || has_tangent(c);
+  if (any_tangent) {
+    std::vector<at::Tensor> parts;
+    parts.reserve(chunks.size());
+    for (const at::Tensor& c : chunks) parts.push_back(has_tangent(c) ? c._fw_grad(/*level=*/0) : at::zeros_like(c));
+    out._set_fw_grad(gather_op().call(parts, dim, device), /*level=*/0, /*is_inplace_op=*/false);
   }
   return out;
 }

@@ -185,11 +185,13 @@ def test_property_split_then_gather_is_identity(shape, data, dtype, layout):
 def test_gradcheck_all_ops(device):
     x = torch.randn(5, 3, 2, dtype=torch.float64, device=device, requires_grad=True)
     y = torch.randn(5, 4, dtype=torch.float64, device=device, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda a, b: ops.transpose01(a, b), (x, y))
-    assert torch.autograd.gradcheck(lambda a, b: tuple(sum(ops.split_contiguous([a, b], 0, [2, 0, 3]), [])), (x, y))
-    assert torch.autograd.gradcheck(lambda a: tuple(ops.scatter([a], 1, [1, 2], [device] * 2)[0]), (x,))
+    fwd = {"check_forward_ad": True}  # forward-mode AD too
+    assert torch.autograd.gradcheck(lambda a, b: ops.transpose01(a, b), (x, y), **fwd)
+    assert torch.autograd.gradcheck(lambda a, b: tuple(sum(ops.split_contiguous([a, b], 0, [2, 0, 3]), [])), (x, y),
+                                    **fwd)
+    assert torch.autograd.gradcheck(lambda a: tuple(ops.scatter([a], 1, [1, 2], [device] * 2)[0]), (x,), **fwd)
     assert torch.autograd.gradcheck(lambda a, b: ops.gather([a, b[:, :3].unsqueeze(-1).expand(5, 3, 2)], 1, device),
-                                    (x, y))
+                                    (x, y), **fwd)
     assert torch.autograd.gradgradcheck(lambda a: ops.transpose01(a)[0] * a.transpose(0, 1), (x,))
     assert torch.autograd.gradgradcheck(lambda a: ops.gather(ops.split_contiguous([a], 2, [1, 1])[0], 2, device) * a,
                                         (x,))
@@ -337,3 +339,39 @@ def test_negative_dim_wraps_per_tensor(device):
         for row, erow in zip(fn(xs, -2, [2, 3], *args), ref.split_contiguous(xs, -2, [2, 3])):
             for o, e in zip(row, erow):
                 assert_bitexact(o, e)
+
+
+def test_outputs_of_inputs_without_grad_do_not_require_grad(device):
+    """A mask split or transposed alongside x keeps requires_grad=False, as with the reference."""
+    x = torch.randn(4, 3, device=device, requires_grad=True)
+    m = torch.randn(4, 3, device=device)
+    for fn in (ops, ref):
+        assert [t.requires_grad for t in fn.transpose01(x, m)] == [True, False]
+        parts = fn.scatter([m, x], 0, [1, 3], [device] * 2)
+        assert [[t.requires_grad for t in row] for row in parts] == [[False, False], [True, True]]
+        assert fn.gather([m, x], 0, device).requires_grad
+    parts = ops.split_contiguous([m, x], 1, [2, 1])
+    (parts[1][0].sum() * 2 + parts[1][1].sum()).backward()
+    assert torch.equal(x.grad, torch.tensor([[2.0, 2.0, 1.0]] * 4, device=device))
+
+
+def test_forward_mode_ad(device):
+    """Tangents pass through every op (they were silently dropped: tangent None)."""
+    import torch.autograd.forward_ad as fwAD
+
+    x, tx = torch.randn(4, 3, 2, device=device), torch.randn(4, 3, 2, device=device)
+    y = torch.randn(4, 5, device=device)
+    with fwAD.dual_level():
+        dx = fwAD.make_dual(x, tx)
+        a, b = ops.transpose01(dx, y)
+        assert torch.equal(fwAD.unpack_dual(a).tangent, tx.transpose(0, 1))
+        assert fwAD.unpack_dual(b).tangent is None
+        parts = ops.split_contiguous([y, dx], 0, [1, 3])
+        assert fwAD.unpack_dual(parts[0][0]).tangent is None
+        assert torch.equal(fwAD.unpack_dual(parts[1][1]).tangent, tx[1:])
+        parts = ops.scatter([dx], 1, [2, 1], [device] * 2)[0]
+        assert torch.equal(fwAD.unpack_dual(parts[0]).tangent, tx[:, :2])
+        g = ops.gather([x[:, :1], dx, x], 1, device)  # chunks without a tangent contribute zeros
+        assert torch.equal(fwAD.unpack_dual(g).tangent, torch.cat([torch.zeros_like(x[:, :1]), tx, 0 * x], 1))
+    jvp = torch.func.jvp(lambda t: ops.transpose01(t)[0], (x,), (tx,))[1]
+    assert torch.equal(jvp, tx.transpose(0, 1))

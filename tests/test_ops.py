@@ -318,6 +318,31 @@ def test_cuda_cpu_scatter_and_gather_across_devices():
     assert torch.equal(x.grad, torch.ones_like(x))
 
 
+@pytest.mark.cuda
+@needs_ext
+def test_cuda_graph_capture_with_many_jobs():
+    """More than 16 jobs under CUDA graph capture: the pinned staging buffer would be read again at every replay
+    after the host allocator handed it out again, so capture launches the jobs as kernel parameters instead."""
+    xs = [torch.randn(3, 5, 7, device="cuda") for _ in range(40)]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm up outside the capture, as torch.cuda.graphs asks
+        ops.transpose01(*xs)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = ops.transpose01(*xs)
+    for k in range(3):
+        for x in xs:
+            x.copy_(torch.randn_like(x))
+        junk = [torch.full((4096,), 7, dtype=torch.uint8).pin_memory().to("cuda", non_blocking=True) for _ in range(8)]
+        del junk  # churn the pinned host allocator between replays
+        g.replay()
+        torch.cuda.synchronize()
+        for o, r in zip(outs, ref.transpose01(*xs)):
+            assert_bitexact(o, r)
+
+
 def test_many_dims_take_the_fallback_path(device):
     """More than six non-mergeable dims cannot be one copy job; the result must still be exact."""
     x = make((2, 3, 2, 3, 2, 3, 2, 3), torch.float32, device).permute(7, 5, 3, 1, 0, 2, 4, 6)

@@ -13,6 +13,15 @@
 #include <algorithm>
 #include <cstring>
 
+// __grid_constant__ (CUDA >= 11.7) is only allowed when compiling for sm_70 or later; an arch list with an older
+// GPU (a Pascal card under a CUDA 11/12 torch) would otherwise fail to build. Without it the kernel still works:
+// the parameter is copied to local memory once per thread instead of read in place.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 700
+#define DPFAST_GRID_CONSTANT
+#else
+#define DPFAST_GRID_CONSTANT __grid_constant__
+#endif
+
 namespace dpfast {
 namespace {
 
@@ -53,7 +62,7 @@ __device__ __forceinline__ void run_jobs(const CopyJob* jobs, int n_jobs) {
   }
 }
 
-__global__ void __launch_bounds__(kThreads) copy_inline_kernel(const __grid_constant__ InlineJobs batch, int n) {
+__global__ void __launch_bounds__(kThreads) copy_inline_kernel(const DPFAST_GRID_CONSTANT InlineJobs batch, int n) {
   run_jobs(batch.jobs, n);
 }
 
@@ -84,11 +93,19 @@ void run_copies_cuda(const CopyBatch& batch) {
     const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, sm_count(device) * kBlocksPerSM)));
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
     const int n = static_cast<int>(jobs.size());
-    if (n <= kInlineJobs) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (n > kInlineJobs) C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    if (n <= kInlineJobs || capture != cudaStreamCaptureStatusNone) {
+      // Jobs travel as kernel parameters. Under CUDA graph capture that holds for any count, in launches of
+      // kInlineJobs: a graph replays the staging copy's read of the pinned buffer long after it was freed and
+      // handed out again, while parameters are baked into the graph.
       InlineJobs inline_jobs;
-      std::memcpy(inline_jobs.jobs, jobs.data(), n * sizeof(CopyJob));
-      copy_inline_kernel<<<blocks, kThreads, 0, stream>>>(inline_jobs, n);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      for (int first = 0; first < n; first += kInlineJobs) {
+        const int count = std::min(kInlineJobs, n - first);
+        std::memcpy(inline_jobs.jobs, jobs.data() + first, count * sizeof(CopyJob));
+        copy_inline_kernel<<<blocks, kThreads, 0, stream>>>(inline_jobs, count);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
     } else {
       // Staged through pinned memory: torch's non-blocking copy_ records the pinned block's use on this stream,
       // so the host allocator does not hand it out again before the copy has run, and the host never waits.

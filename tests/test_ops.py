@@ -343,6 +343,20 @@ def test_cuda_graph_capture_with_many_jobs():
             assert_bitexact(o, r)
 
 
+@pytest.mark.cuda
+@needs_ext
+def test_cuda_gather_from_pinned_host_chunk_is_not_a_late_read():
+    """A pinned CPU chunk is copied before gather returns: writing to it afterwards must not change the result."""
+    cpu = torch.arange(1 << 20, dtype=torch.float32).view(1024, 1024).pin_memory()
+    expect = cpu.clone()
+    gpu = torch.randn(16, 1024, device="cuda")
+    torch.cuda._sleep(200_000_000)  # keep the stream busy, so an async copy would still be queued
+    out = ops.gather([cpu, gpu], 0, "cuda")
+    cpu.fill_(-1.0)
+    torch.cuda.synchronize()
+    assert torch.equal(out[:1024].cpu(), expect) and torch.equal(out[1024:], gpu)
+
+
 def test_many_dims_take_the_fallback_path(device):
     """More than six non-mergeable dims cannot be one copy job; the result must still be exact."""
     x = make((2, 3, 2, 3, 2, 3, 2, 3), torch.float32, device).permute(7, 5, 3, 1, 0, 2, 4, 6)

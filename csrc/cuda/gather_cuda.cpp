@@ -1,6 +1,6 @@
 // Host side of gather when any chunk is on a GPU: bring foreign chunks to the target device (async
-// device-to-device copies; blocking when the target is the CPU, whose kernel reads them at once), then join
-// everything in one launch there.
+// device-to-device copies; blocking when the target is the CPU, whose kernel reads them at once, or the source is
+// the caller's pinned host memory), then join everything in one launch there.
 #include "../gather.h"
 #include "../cpu/copy_cpu.h"
 #include "copy_cuda.h"
@@ -20,7 +20,14 @@ at::Tensor gather_cuda(at::TensorList chunks, int64_t dim, c10::Device device) {
   std::vector<at::Tensor> local;
   local.reserve(chunks.size());
   for (const at::Tensor& c : chunks) {
-    local.push_back(c.device() == target ? c : c.to(target, /*non_blocking=*/!to_cpu));
+    if (c.device() == target) {
+      local.push_back(c);
+      continue;
+    }
+    // Non-blocking except from pinned host memory: a pageable source is staged before cudaMemcpyAsync returns,
+    // but a pinned one is read by the DMA later, so a write to the caller's chunk after we return would race.
+    const bool blocking = to_cpu || (c.is_cpu() && c.is_pinned());
+    local.push_back(c.to(target, /*non_blocking=*/!blocking));
   }
   at::Tensor out = at::empty(shape, chunks[0].options().device(target));
   CopyBatch batch;

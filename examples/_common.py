@@ -132,3 +132,12 @@ def show_scatter_error(report: Report, dp: torch.nn.Module, args: tuple, kwargs:
 
 def title(report: Report, text: str) -> None:
     report.say("", text, "-" * len(text))
+
+
+def sgd_step(model: torch.nn.Module, lr: float) -> None:
+    """Plain SGD by hand: torch.optim's first use imports torch._dynamo, seconds on a small CPU box."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= lr * p.grad
+                p.grad = None

@@ -38,9 +38,9 @@ from torch.nn import LSTM
 import dpfast
 
 try:
-    from ._common import Report, add_device_args, home_device, pick_devices, show_scatter_error, title
+    from ._common import Report, add_device_args, home_device, pick_devices, sgd_step, show_scatter_error, title
 except ImportError:  # run as a script: python examples/rrn.py
-    from _common import Report, add_device_args, home_device, pick_devices, show_scatter_error, title
+    from _common import Report, add_device_args, home_device, pick_devices, sgd_step, show_scatter_error, title
 
 # The one-line fix: the LSTM state `h` has its batch on axis 1, in and out.
 IN_DIMS = {"h": 1}
@@ -205,15 +205,6 @@ def reason(net, x: torch.Tensor, h, steps: int):
         out, hidden, h = net(x, hidden, h)
         results.append((out, hidden, h))
     return results
-
-
-def sgd_step(model: nn.Module, lr: float) -> None:
-    """Plain SGD by hand: torch.optim's first use imports torch._dynamo, seconds on a small CPU box."""
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.grad is not None:
-                p -= lr * p.grad
-                p.grad = None
 
 
 def train(dp: nn.Module, model: RRN, cfg: Config, x, target, report: Report) -> list[float]:

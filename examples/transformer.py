@@ -39,9 +39,9 @@ import torch.nn.functional as F
 import dpfast
 
 try:
-    from ._common import Report, add_device_args, home_device, pick_devices, show_scatter_error, title
+    from ._common import Report, add_device_args, home_device, pick_devices, sgd_step, show_scatter_error, title
 except ImportError:  # run as a script: python examples/transformer.py
-    from _common import Report, add_device_args, home_device, pick_devices, show_scatter_error, title
+    from _common import Report, add_device_args, home_device, pick_devices, sgd_step, show_scatter_error, title
 
 # The one-line fix: the (T, T) mask is shared by every replica; the output is (T, B, V).
 IN_DIMS = {"tgt_mask": None}
@@ -222,15 +222,6 @@ def model_inputs(X: torch.Tensor, y: torch.Tensor):
 def loss_fn(pred: torch.Tensor, y_expected: torch.Tensor) -> torch.Tensor:
     # Permute pred to have batch size first again: (T, B, V) -> (B, V, T)
     return F.cross_entropy(pred.permute(1, 2, 0), y_expected, ignore_index=PAD)
-
-
-def sgd_step(model: nn.Module, lr: float) -> None:
-    """Plain SGD by hand: torch.optim's first use imports torch._dynamo, seconds on a small CPU box."""
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.grad is not None:
-                p -= lr * p.grad
-                p.grad = None
 
 
 def train(dp: nn.Module, model: Transformer, cfg: Config, X, y, report: Report) -> list[float]:

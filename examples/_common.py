@@ -14,7 +14,8 @@ from torch import Tensor
 import dpfast
 
 
-def add_device_args(parser: argparse.ArgumentParser) -> None:
+def add_example_args(parser: argparse.ArgumentParser, batch: int, steps: int) -> None:
+    """The options every example takes: devices, seed, quiet, batch size and training steps."""
     parser.add_argument(
         "--devices",
         default="auto",
@@ -24,6 +25,8 @@ def add_device_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     parser.add_argument("--quiet", action="store_true", help="print only the summary line")
+    parser.add_argument("--batch", type=int, default=batch, help="batch size (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=steps, help="training steps (default: %(default)s)")
 
 
 def pick_devices(spec: str = "auto") -> tuple[list, str]:

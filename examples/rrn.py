@@ -38,9 +38,9 @@ from torch.nn import LSTM
 import dpfast
 
 try:
-    from ._common import Report, add_device_args, home_device, pick_devices, sgd_step, show_scatter_error, title
+    from ._common import Report, add_example_args, home_device, pick_devices, sgd_step, show_scatter_error, title
 except ImportError:  # run as a script: python examples/rrn.py
-    from _common import Report, add_device_args, home_device, pick_devices, sgd_step, show_scatter_error, title
+    from _common import Report, add_example_args, home_device, pick_devices, sgd_step, show_scatter_error, title
 
 # The one-line fix: the LSTM state `h` has its batch on axis 1, in and out.
 IN_DIMS = {"h": 1}
@@ -267,9 +267,7 @@ def check_against_plain(model: RRN, device_ids: Sequence, x: torch.Tensor, targe
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="examples/rrn.py", description=__doc__.split("\n\n")[0])
-    add_device_args(parser)
-    parser.add_argument("--batch", type=int, default=Config.batch, help="batch size (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=Config.train_steps, help="training steps (default: %(default)s)")
+    add_example_args(parser, Config.batch, Config.train_steps)
     args = parser.parse_args(argv)
     report = Report(quiet=args.quiet)
     cfg = Config(batch=args.batch, train_steps=args.steps)

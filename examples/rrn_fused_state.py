@@ -37,10 +37,10 @@ import torch.nn.functional as F
 import dpfast
 
 try:
-    from ._common import Report, add_device_args, home_device, pick_devices, title
+    from ._common import Report, add_example_args, home_device, pick_devices, title
     from .rrn import RRN, Config, make_batch, reason, train
 except ImportError:  # run as a script: python examples/rrn_fused_state.py
-    from _common import Report, add_device_args, home_device, pick_devices, title
+    from _common import Report, add_example_args, home_device, pick_devices, title
     from rrn import RRN, Config, make_batch, reason, train
 
 
@@ -155,9 +155,7 @@ def check_against_seed(model: RRNFusedState, device_ids: Sequence, x: torch.Tens
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="examples/rrn_fused_state.py", description=__doc__.split("\n\n")[0])
-    add_device_args(parser)
-    parser.add_argument("--batch", type=int, default=Config.batch, help="batch size (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=Config.train_steps, help="training steps (default: %(default)s)")
+    add_example_args(parser, Config.batch, Config.train_steps)
     args = parser.parse_args(argv)
     report = Report(quiet=args.quiet)
     cfg = Config(batch=args.batch, train_steps=args.steps)

@@ -39,9 +39,9 @@ import torch.nn.functional as F
 import dpfast
 
 try:
-    from ._common import Report, add_device_args, home_device, pick_devices, sgd_step, show_scatter_error, title
+    from ._common import Report, add_example_args, home_device, pick_devices, sgd_step, show_scatter_error, title
 except ImportError:  # run as a script: python examples/transformer.py
-    from _common import Report, add_device_args, home_device, pick_devices, sgd_step, show_scatter_error, title
+    from _common import Report, add_example_args, home_device, pick_devices, sgd_step, show_scatter_error, title
 
 # The one-line fix: the (T, T) mask is shared by every replica; the output is (T, B, V).
 IN_DIMS = {"tgt_mask": None}
@@ -272,9 +272,7 @@ def check_against_plain(model: Transformer, device_ids: Sequence, X: torch.Tenso
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="examples/transformer.py", description=__doc__.split("\n\n")[0])
-    add_device_args(parser)
-    parser.add_argument("--batch", type=int, default=Config.batch, help="batch size (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=Config.train_steps, help="training steps (default: %(default)s)")
+    add_example_args(parser, Config.batch, Config.train_steps)
     args = parser.parse_args(argv)
     report = Report(quiet=args.quiet)
     cfg = Config(batch=args.batch, train_steps=args.steps)

@@ -22,3 +22,14 @@ def pytest_collection_modifyitems(config, items):
 def device(request) -> str:
     """Every test that takes `device` runs on cpu, and on cuda where one exists."""
     return request.param
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: intra-op threads only add OpenMP wake-ups, which on a busy 2-core machine made a 3-layer GRU
+    step ~100x slower. Modules opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`; the setting is
+    restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -26,14 +26,7 @@ F_IN, HID, PROJ, B, T = 5, 6, 4, 5, 4
 CLASSES = {"LSTM": (dnn.LSTM, torch.nn.LSTM), "GRU": (dnn.GRU, torch.nn.GRU), "RNN": (dnn.RNN, torch.nn.RNN)}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: intra-op threads only add OpenMP wake-ups, which on a busy 2-core machine made a
-    3-layer GRU step ~100x slower. Restored afterwards so other test modules see the usual setting."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_pair(kind: str, device: str, **kwargs: Any) -> tuple[torch.nn.Module, torch.nn.Module]:

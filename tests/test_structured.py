@@ -19,12 +19,7 @@ import dpfast._transfer as transfer
 DT = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: intra-op threads only add contention on a small box
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _weights(t: torch.Tensor) -> torch.Tensor:

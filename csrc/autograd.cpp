@@ -3,7 +3,8 @@
 // on every call. Backward calls the ops through the dispatcher, so double backward works too.
 //
 // transpose01 <- transpose01;  split_contiguous, scatter <- gather (per input tensor);  gather <- scatter.
-#include <ATen/core/dispatch/Dispatcher.h>
+#include "op_handles.h"
+
 #include <ATen/ops/zeros_like.h>
 #include <c10/core/WrapDimMinimal.h>
 #include <torch/csrc/autograd/function.h>
@@ -27,33 +28,6 @@ NodePtr make_node(A&&... args) {
   } else {
     return c10::make_intrusive<T>(std::forward<A>(args)...);
   }
-}
-
-using Transpose01Fn = std::vector<at::Tensor>(at::TensorList);
-using SplitFn = std::vector<at::Tensor>(at::TensorList, int64_t, c10::SymIntArrayRef);
-using ScatterFn = std::vector<at::Tensor>(at::TensorList, int64_t, c10::SymIntArrayRef, at::ArrayRef<c10::Device>);
-using GatherFn = at::Tensor(at::TensorList, int64_t, c10::Device);
-
-template <class Fn>
-c10::TypedOperatorHandle<Fn> op_handle(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
-}
-
-const c10::TypedOperatorHandle<Transpose01Fn>& transpose01_op() {
-  static const auto op = op_handle<Transpose01Fn>("dpfast::transpose01");
-  return op;
-}
-const c10::TypedOperatorHandle<SplitFn>& split_op() {
-  static const auto op = op_handle<SplitFn>("dpfast::split_contiguous");
-  return op;
-}
-const c10::TypedOperatorHandle<ScatterFn>& scatter_op() {
-  static const auto op = op_handle<ScatterFn>("dpfast::scatter");
-  return op;
-}
-const c10::TypedOperatorHandle<GatherFn>& gather_op() {
-  static const auto op = op_handle<GatherFn>("dpfast::gather");
-  return op;
 }
 
 // Connects outputs to `node`. Output k comes from input `k / per_input` (per_input 0: from all of them); only the

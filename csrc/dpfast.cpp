@@ -1,4 +1,6 @@
 // Op schemas and the Python module dpfast._C. Kernels live in csrc/cpu and csrc/cuda, autograd in autograd.cpp.
+#include "python_calls.h"
+
 #include <Python.h>
 #include <torch/library.h>
 
@@ -9,11 +11,11 @@
 #define DPFAST_BUILT_WITH_TORCH "unknown"
 #endif
 
-// `import dpfast._C` loads this library, which registers the ops below as a side effect. The module itself only
-// carries build facts for dpfast.build_info(); no pybind11 is needed.
+// `import dpfast._C` loads this library, which registers the ops below as a side effect. The module carries
+// build facts for dpfast.build_info() and the fast call path of dpfast/ops.py (python_calls.cpp).
 PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", "dpfast fused data-movement ops", -1,
-                                          nullptr};
+                                          dpfast::python_call_methods()};
   PyObject* m = PyModule_Create(&module_def);
   if (m == nullptr) return nullptr;
 #ifdef DPFAST_WITH_CUDA

@@ -260,9 +260,87 @@ def test_compile_fullgraph_with_backward():
         (lambda: ops.split_contiguous([torch.tensor(1.0)], 0, [1]), ValueError, r"0-dim"),
     ],
 )
-def test_errors(call, exc, match):
+@pytest.mark.parametrize("path", ["fast", "torch.ops"])
+def test_errors(call, exc, match, path, monkeypatch):
+    """The same error, type and message, from the direct entry point and from the torch.ops path."""
+    if path == "torch.ops":
+        monkeypatch.setattr(ops, "_compiling", lambda: True, raising=False)  # what torch.compile traces
     with pytest.raises(exc, match=match):
         call()
+
+
+# ---- the direct call path (csrc/python_calls.cpp) ------------------------------------------------------------
+
+@needs_ext
+def test_fast_path_takes_plain_tensors_and_parameters():
+    from dpfast._extension import C
+
+    x = torch.randn(2, 3, 4)
+    p = torch.nn.Parameter(torch.randn(2, 5))
+    out = C._transpose01(x, p)
+    assert isinstance(out, tuple) and torch.equal(out[0], x.transpose(0, 1)) and out[1].requires_grad
+    out[1].sum().backward()  # autograd runs on the direct path too
+    assert torch.equal(p.grad, torch.ones_like(p))
+    parts = C._split_contiguous((x,), -1, [1, 3])
+    assert torch.equal(parts[0][1], x[..., 1:])
+    assert torch.equal(C._gather([x, x], 1, torch.device("cpu")), torch.cat([x, x], 1))
+    assert torch.equal(C._scatter([x], 0, [1, 1], [torch.device("cpu")] * 2)[0][1], x[1:])
+
+
+@needs_ext
+def test_fast_path_defers_what_it_does_not_handle():
+    """Subclasses, __torch_function__ modes and unusual argument types go the torch.ops way, not around it."""
+    from torch.overrides import TorchFunctionMode
+
+    from dpfast._extension import C
+
+    seen = []
+
+    class Logged(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    class Mode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(2, 3)
+    assert C._transpose01(x.as_subclass(Logged)) is NotImplemented
+    (y,) = ops.transpose01(x.as_subclass(Logged))
+    assert torch.ops.dpfast.transpose01.default in seen and torch.equal(y, x.t())
+    seen.clear()
+    with Mode():
+        assert C._transpose01(x) is NotImplemented
+        ops.split_contiguous([x], 1, [1, 2])
+    assert torch.ops.dpfast.split_contiguous.default in seen
+    # not a list/tuple of ints, not a torch.device: left to torch.ops, which accepts or rejects them as usual
+    assert C._split_contiguous([x], 1, range(1, 3)) is NotImplemented
+    assert C._split_contiguous([x], True, [1, 2]) is NotImplemented
+    assert C._gather([x], 0, "cpu") is NotImplemented
+    assert torch.equal(ops.split_contiguous((x,), 1, range(1, 3))[0][1], x[:, 1:])
+
+
+@needs_ext
+def test_fast_path_is_seen_by_dispatch_modes():
+    """The direct path calls the op through the dispatcher, so a TorchDispatchMode still sees it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dpfast._extension import C
+
+    seen = []
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(2, 3)
+    with Mode():
+        (y,) = C._transpose01(x)
+    assert seen == [torch.ops.dpfast.transpose01.default] and torch.equal(y, x.t())
 
 
 def test_reference_errors_agree():

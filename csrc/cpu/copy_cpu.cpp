@@ -12,7 +12,7 @@ namespace dpfast {
 namespace {
 
 // Below this many bytes per task, thread hand-off costs more than it saves.
-constexpr int64_t kGrainBytes = 256 * 1024;
+constexpr int64_t kGrainBytes = 128 * 1024;
 // Rows longer than this are cut into pieces of about this size, so one long row still spreads over threads.
 constexpr int64_t kPieceBytes = 64 * 1024;
 

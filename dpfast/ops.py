@@ -96,8 +96,9 @@ if LOADED:
     ) -> list[list[Tensor]]:
         """``out[i][j]``: chunk ``j`` of ``tensors[i]`` along ``dim``, contiguous, on ``devices[j]``.
 
-        Chunks are packed on the source device in one launch, then copied asynchronously to their devices,
-        ordered against the current streams of both. Backward gathers the gradients onto the source.
+        Chunks are packed on the source device in one launch, then copied asynchronously to their devices (one
+        side stream per destination GPU), ordered against the current streams of both. Backward gathers the
+        gradients onto the source.
         """
         devices = [as_device(d) for d in devices]
         if not _compiling():

@@ -435,6 +435,23 @@ def test_cuda_gather_from_pinned_host_chunk_is_not_a_late_read():
     assert torch.equal(out[:1024].cpu(), expect) and torch.equal(out[1024:], gpu)
 
 
+@pytest.mark.cuda
+@needs_ext
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_cuda_scatter_to_other_gpus_on_side_streams_is_ordered():
+    """Chunks for other GPUs move on side streams: they must wait for the pack behind a busy source stream, and
+    the packed block must not be reused (and overwritten) on the source while the copy still reads it."""
+    x = torch.randn(4096, 1024, device="cuda:0")
+    expect = x.cpu()
+    torch.cuda._sleep(200_000_000)  # the pack queues behind this on cuda:0's current stream
+    parts = ops.scatter([x], 0, [1024, 1024, 1024, 1024], ["cuda:1", "cuda:0", "cuda:1", "cpu"])[0]
+    junk = [torch.full((1024, 1024), -1.0, device="cuda:0") for _ in range(8)]  # would land in a freed pack
+    assert [p.device for p in parts] == [torch.device(d) for d in ("cuda:1", "cuda:0", "cuda:1", "cpu")]
+    for j, p in enumerate(parts):  # no synchronize: the current streams of cuda:1 must already wait for the copies
+        assert torch.equal(p.cpu(), expect[1024 * j : 1024 * (j + 1)]), j
+    del junk
+
+
 def test_many_dims_take_the_fallback_path(device):
     """More than six non-mergeable dims cannot be one copy job; the result must still be exact."""
     x = make((2, 3, 2, 3, 2, 3, 2, 3), torch.float32, device).permute(7, 5, 3, 1, 0, 2, 4, 6)

@@ -268,7 +268,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("bench_dp: --device cuda but CUDA is not available", file=sys.stderr)
         return 2
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    batches = [16, 256] if args.quick else [16, 128, 1024, 4096]
+    # 10000: the seed's own batch (its error message: hidden[0] (1, 10000, 50) split into 4 x 2500)
+    batches = [16, 256] if args.quick else [16, 128, 1024, 4096, 10000]
     budget, rounds = (1.8, 5) if args.quick else (7.0, 9)
     t0 = time.perf_counter()
     notes: list[str] = []
@@ -290,9 +291,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("note:", note)
     if "torch_label" in rows[0]:
         print(f"torch = {rows[0]['torch_label']} on the same ids, state kept batch-first (the blog's fix)")
-    worst = max(r["dpfast/plain"] for r in rows)
-    print(f"target dpfast/plain <= 1.3 (CPU rehearsal): worst {worst:.3f} -> {'met' if worst <= 1.3 else 'NOT met'}"
-          if device.type == "cpu" else "")
+    if device.type == "cpu":
+        met = [r["batch"] for r in rows if r["dpfast/plain"] <= 1.3]
+        missed = [f"{r['batch']} ({r['dpfast/plain']:.2f}; halves/plain {r['halves/plain']:.2f})"
+                  for r in rows if r["dpfast/plain"] > 1.3]
+        print(f"target dpfast/plain <= 1.3 (CPU rehearsal): met at batch {met or 'none'}"
+              + (f"; NOT met at {', '.join(missed)}" if missed else ""))
     if "dpfast/torch" in rows[0]:
         worst_t = max(r["dpfast/torch"] for r in rows)
         print(f"target dpfast/torch <= 0.5 on [0, 0]: worst {worst_t:.3f} -> {'met' if worst_t <= 0.5 else 'NOT met'}")

@@ -1,7 +1,7 @@
 """Training step (forward + backward) of the seed-000 RRN: plain module vs dpfast.DataParallel (vs torch's).
 
-Variants, measured interleaved (round-robin over variants, median of the rounds) in one run, so the ratios compare
-like with like on a noisy machine:
+Variants, measured interleaved (round-robin over variants) in one run; times are medians of the rounds and ratios
+medians of the per-round ratios, so they compare like with like on a noisy machine:
 
 * ``halves``: the plain module called on the two halves of the batch in turn, one backward: the floor of any
   2-replica split on one interpreter (small batches are bound by per-op overhead, which two replicas pay twice).
@@ -170,8 +170,8 @@ def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]
     return run
 
 
-def measure(variants: dict, device: torch.device, budget_s: float, rounds: int) -> dict[str, float]:
-    """Median seconds per step of each variant; variants alternate within every round (order rotated)."""
+def measure(variants: dict, device: torch.device, budget_s: float, rounds: int) -> dict[str, list[float]]:
+    """Seconds per step of each variant in every round; variants alternate within a round (order rotated)."""
     timer = _timer(device)
     for fn in variants.values():  # warm up: allocator, worker threads, replica caches
         for _ in range(3):
@@ -184,7 +184,12 @@ def measure(variants: dict, device: torch.device, budget_s: float, rounds: int) 
         order = names[r % len(names):] + names[: r % len(names)]
         for name in order:
             samples[name].append(timer(variants[name], iters))
-    return {k: statistics.median(v) for k, v in samples.items()}
+    return samples
+
+
+def ratio(samples: dict[str, list[float]], a: str, b: str) -> float:
+    """Median over rounds of a's time over b's in the same round (robust to the machine's speed drifting)."""
+    return statistics.median(x / y for x, y in zip(samples[a], samples[b]))
 
 
 def run_batch(batch: int, device: torch.device, budget_s: float, rounds: int, notes: list) -> dict:
@@ -214,13 +219,14 @@ def run_batch(batch: int, device: torch.device, budget_s: float, rounds: int, no
                 notes.append(note + "; timing torch's replicate+scatter+parallel_apply+gather directly")
             variants["torch"] = torch_parts_step(t_model, ids, x, target, h)
             label = "torch parts (replicate+scatter+parallel_apply+gather)"
-    times = measure(variants, device, budget_s, rounds)
-    row = {"batch": batch, "seconds": times, "dpfast/plain": times["dpfast"] / times["plain"],
-           "halves/plain": times["halves"] / times["plain"], "dpfast/halves": times["dpfast"] / times["halves"]}
+    samples = measure(variants, device, budget_s, rounds)
+    times = {k: statistics.median(v) for k, v in samples.items()}
+    row = {"batch": batch, "seconds": times, "dpfast/plain": ratio(samples, "dpfast", "plain"),
+           "halves/plain": ratio(samples, "halves", "plain"), "dpfast/halves": ratio(samples, "dpfast", "halves")}
     if "torch" in times:
         row["torch_label"] = label
-        row["torch/plain"] = times["torch"] / times["plain"]
-        row["dpfast/torch"] = times["dpfast"] / times["torch"]
+        row["torch/plain"] = ratio(samples, "torch", "plain")
+        row["dpfast/torch"] = ratio(samples, "dpfast", "torch")
     return row
 
 
@@ -312,7 +318,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "device": str(device),
         "model": {"class": f"{RRN.__module__}.{RRN.__name__}", "n_facts": N_FACTS, "dim_hidden": HIDDEN,
                   "message_dim": MESSAGE, "f_dims": F_DIMS, "o_dims": O_DIMS, "classes": CLASSES},
-        "method": f"median of {rounds} interleaved rounds, {budget:.0f} s budget per batch size",
+        "method": f"{rounds} interleaved rounds, {budget:.0f} s budget per batch size; times: medians, ratios: "
+                  "medians of per-round ratios",
         "notes": notes,
         "rows": rows,
         "wall_s": round(time.perf_counter() - t0, 1),

@@ -1,7 +1,7 @@
 """Fused ops vs plain PyTorch vs a clone of the same bytes (the copy ceiling).
 
-Each size is measured with the variants interleaved (round-robin, median of rounds), so the ratios compare
-like with like even on a noisy machine. Prints a table, writes benchmarks/results/bench_ops.json and a PNG.
+Each size is measured with the variants interleaved (round-robin); times are medians over rounds and ratios are
+medians of the per-round ratios, so they compare like with like even on a noisy machine. Prints a table, writes benchmarks/results/bench_ops.json and a PNG.
 
     python benchmarks/bench_ops.py [--device cpu|cuda] [--quick] [--out DIR]
 """
@@ -45,8 +45,10 @@ def _timer(device: str) -> Callable[[Callable[[], object], int], float]:
     return run
 
 
-def measure(variants: dict[str, Callable[[], object]], device: str, budget_s: float, rounds: int) -> dict[str, float]:
-    """Median seconds per call of each variant; variants alternate within every round."""
+def measure(variants: dict[str, Callable[[], object]], device: str, budget_s: float,
+            rounds: int) -> dict[str, list[float]]:
+    """Seconds per call of each variant in every round; variants alternate within a round, so a round's variants
+    share the machine's state and their ratio is meaningful even when the machine's speed drifts."""
     timer = _timer(device)
     for fn in variants.values():  # warm up (allocator, thread pool, kernel caches)
         fn()
@@ -56,7 +58,12 @@ def measure(variants: dict[str, Callable[[], object]], device: str, budget_s: fl
     for _ in range(rounds):
         for name, fn in variants.items():
             samples[name].append(timer(fn, iters))
-    return {k: statistics.median(v) for k, v in samples.items()}
+    return samples
+
+
+def ratio(samples: dict[str, list[float]], a: str, b: str) -> float:
+    """Median over rounds of a's time over b's in the same round."""
+    return statistics.median(x / y for x, y in zip(samples[a], samples[b]))
 
 
 def cases(device: str, quick: bool):
@@ -96,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default=os.path.join(HERE, "results"), help="folder for JSON and PNG")
     p.add_argument("--budget", type=float, default=None, help="seconds per configuration")
     args = p.parse_args(argv)
-    budget = args.budget or (0.15 if args.quick else 0.5)
+    budget = args.budget or (0.15 if args.quick else 0.8)
     rows = []
     header = f"{'op':34} {'shape':>18} {'MB':>9} {'dpfast us':>10} {'torch us':>10} {'clone us':>10} " \
              f"{'GB/s':>7} {'/clone':>7} {'/torch':>7}"
@@ -104,13 +111,14 @@ def main(argv: list[str] | None = None) -> dict:
     print(header)
     print("-" * len(header))
     for op, label, nbytes, variants in cases(args.device, args.quick):
-        t = measure(variants, args.device, budget, rounds=7)
+        samples = measure(variants, args.device, budget, rounds=7 if args.quick else 15)
+        t = {k: statistics.median(v) for k, v in samples.items()}
         row = {
             "op": op, "shape": label, "bytes": nbytes,
             "seconds": t,
             "gbps": {k: 2 * nbytes / v / 1e9 for k, v in t.items()},  # read + write
-            "ratio_vs_clone": t["dpfast"] / t["clone"],
-            "ratio_vs_torch": t["dpfast"] / t["torch"],
+            "ratio_vs_clone": ratio(samples, "dpfast", "clone"),
+            "ratio_vs_torch": ratio(samples, "dpfast", "torch"),
         }
         rows.append(row)
         print(f"{op:34} {label:>18} {nbytes / 1e6:9.3f} {t['dpfast'] * 1e6:10.1f} {t['torch'] * 1e6:10.1f} "

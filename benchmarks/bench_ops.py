@@ -96,6 +96,40 @@ def cases(device: str, quick: bool):
         }
 
 
+_PY_OP = None
+
+
+def _python_registered_op():
+    """The same kernel behind an op registered from Python (torch.library.custom_op), registered once."""
+    global _PY_OP
+    if _PY_OP is None:
+        @torch.library.custom_op("dpfast_bench::transpose01_py", mutates_args=())
+        def transpose01_py(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+            return list(ops.transpose01(*xs))
+
+        transpose01_py.register_fake(lambda xs: [x.new_empty((x.shape[1], x.shape[0], *x.shape[2:])) for x in xs])
+        transpose01_py.register_autograd(lambda ctx, grads: list(ops.transpose01(*grads)))
+        _PY_OP = transpose01_py
+    return _PY_OP
+
+
+def call_overhead(device: str, budget_s: float) -> dict[str, float]:
+    """Seconds per call of transpose01 on a tiny (h, c), where the call path is all there is, by entry point."""
+    h, c = torch.randn(2, 1, 4, device=device), torch.randn(2, 1, 4, device=device)
+    boxed = torch.ops.dpfast.transpose01.default if dpfast.build_info()["extension_loaded"] else None
+
+    transpose01_py = _python_registered_op()
+    variants = {
+        "dpfast.transpose01 (direct C entry)": lambda: ops.transpose01(h, c),
+        "torch.ops.dpfast.transpose01 (boxed)": (lambda: boxed([h, c])) if boxed else None,
+        "custom op registered from Python": lambda: transpose01_py([h, c]),
+        "two clones": lambda: (h.clone(), c.clone()),
+        "torch permute+contiguous pair": lambda: [x.permute(1, 0, 2).contiguous() for x in (h, c)],
+    }
+    samples = measure({k: v for k, v in variants.items() if v is not None}, device, budget_s, rounds=15)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
@@ -124,8 +158,12 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{op:34} {label:>18} {nbytes / 1e6:9.3f} {t['dpfast'] * 1e6:10.1f} {t['torch'] * 1e6:10.1f} "
               f"{t['clone'] * 1e6:10.1f} {row['gbps']['dpfast']:7.2f} {row['ratio_vs_clone']:7.2f} "
               f"{row['ratio_vs_torch']:7.2f}")
+    overhead = call_overhead(args.device, budget)
+    print("\ncall path: transpose01 of a tiny (h, c), 2x(2,1,4)")
+    for name, sec in overhead.items():
+        print(f"  {name:40} {sec * 1e6:7.2f} us")
     result = {
-        "bench": "ops", "device": args.device,
+        "bench": "ops", "device": args.device, "call_overhead_seconds": overhead,
         "device_name": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine(),
         "torch": torch.__version__, "threads": torch.get_num_threads(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "build_info": dpfast.build_info(), "rows": rows,

@@ -29,17 +29,26 @@ struct CopyJob {
   int32_t unit;  // bytes per unit: 1, 2, 4, 8 or 16
 };
 
-// Byte offsets of unit `u` (row-major over job.sizes) in the source and the destination.
-DPFAST_HD void job_offsets(const CopyJob& job, int64_t u, int64_t& src_off, int64_t& dst_off) {
+// Byte offsets of unit `u` (row-major over job.sizes) in the source and the destination. `Index` is the type the
+// division runs in: the CUDA kernel uses uint32_t whenever the job has fewer than 2^32 units, since a 64-bit
+// division costs several times as many instructions as a 32-bit one and runs once per dim per unit.
+template <class Index>
+DPFAST_HD void job_offsets_as(const CopyJob& job, Index u, int64_t& src_off, int64_t& dst_off) {
   int64_t s = 0, d = 0;
   for (int k = job.ndim - 1; k > 0; --k) {
-    const int64_t i = u % job.sizes[k];
-    u /= job.sizes[k];
+    const Index size = static_cast<Index>(job.sizes[k]);
+    const Index q = u / size;
+    const int64_t i = static_cast<int64_t>(u - q * size);
+    u = q;
     s += i * job.src_strides[k];
     d += i * job.dst_strides[k];
   }
-  src_off = s + u * job.src_strides[0];
-  dst_off = d + u * job.dst_strides[0];
+  src_off = s + static_cast<int64_t>(u) * job.src_strides[0];
+  dst_off = d + static_cast<int64_t>(u) * job.dst_strides[0];
+}
+
+DPFAST_HD void job_offsets(const CopyJob& job, int64_t u, int64_t& src_off, int64_t& dst_off) {
+  job_offsets_as<int64_t>(job, u, src_off, dst_off);
 }
 
 }  // namespace dpfast

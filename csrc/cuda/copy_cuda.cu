@@ -54,6 +54,14 @@ __device__ __forceinline__ void run_jobs(const CopyJob* jobs, int n_jobs) {
       for (int64_t u = first; u < job.numel; u += stride) move_unit(job.src + u * ss, job.dst + u * ds, job.unit);
       continue;
     }
+    if (job.numel <= static_cast<int64_t>(UINT32_MAX)) {  // the common case: 32-bit index math
+      for (int64_t u = first; u < job.numel; u += stride) {
+        int64_t so, dso;
+        job_offsets_as<uint32_t>(job, static_cast<uint32_t>(u), so, dso);
+        move_unit(job.src + so, job.dst + dso, job.unit);
+      }
+      continue;
+    }
     for (int64_t u = first; u < job.numel; u += stride) {
       int64_t so, dso;
       job_offsets(job, u, so, dso);

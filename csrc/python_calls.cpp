@@ -133,16 +133,22 @@ PyObject* py_transpose01(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
+// (tensors, dim, sizes, ...) of split_contiguous and scatter, when all are plain.
+bool plain_split_args(PyObject* const* args, std::vector<at::Tensor>& xs, int64_t& dim,
+                      std::vector<c10::SymInt>& sizes) {
+  PyObject* const* items;
+  Py_ssize_t n;
+  return items_of(args[0], items, n) && n > 0 && plain_tensors(items, n, xs) && plain_int(args[1], dim) &&
+         plain_sizes(args[2], sizes);
+}
+
 // _split_contiguous(tensors, dim, sizes) -> list[list[Tensor]]
 PyObject* py_split_contiguous(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  PyObject* const* items;
-  Py_ssize_t n;
   std::vector<at::Tensor> xs;
   int64_t dim;
   std::vector<c10::SymInt> sizes;
-  if (nargs != 3 || !items_of(args[0], items, n) || n == 0 || !plain_tensors(items, n, xs) ||
-      !plain_int(args[1], dim) || !plain_sizes(args[2], sizes)) {
+  if (nargs != 3 || !plain_split_args(args, xs, dim, sizes)) {
     PyErr_Clear();
     return not_implemented();
   }
@@ -158,14 +164,11 @@ PyObject* py_split_contiguous(PyObject*, PyObject* const* args, Py_ssize_t nargs
 // _scatter(tensors, dim, sizes, devices) -> list[list[Tensor]]
 PyObject* py_scatter(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  PyObject* const* items;
-  Py_ssize_t n;
   std::vector<at::Tensor> xs;
   int64_t dim;
   std::vector<c10::SymInt> sizes;
   std::vector<c10::Device> devices;
-  if (nargs != 4 || !items_of(args[0], items, n) || n == 0 || !plain_tensors(items, n, xs) ||
-      !plain_int(args[1], dim) || !plain_sizes(args[2], sizes) || !plain_devices(args[3], devices)) {
+  if (nargs != 4 || !plain_split_args(args, xs, dim, sizes) || !plain_devices(args[3], devices)) {
     PyErr_Clear();
     return not_implemented();
   }

@@ -205,17 +205,24 @@ class _Pool:
     def __reduce__(self):  # deepcopy / pickle of the owning DataParallel: a fresh pool, no threads
         return (_Pool, (self.max_idle, self.name))
 
+    def _after_fork(self) -> None:
+        """In a forked child the parent's workers do not exist, and the lock may have been held by one of them at
+        the fork (it would then stay locked forever here): start afresh. The child runs one thread at this point."""
+        if self._pid != os.getpid():
+            self._lock = threading.Lock()
+            self._idle.clear()  # the same list object: the finalizer holds it
+            self._all.clear()
+            self._pid = os.getpid()
+
     def threads(self) -> list[_Worker]:
         """The live workers (tests read it)."""
+        self._after_fork()
         with self._lock:
             return [w for w in self._all if w.is_alive()]
 
     def submit(self, fn: Callable[[], None], done: threading.Event) -> None:
+        self._after_fork()
         with self._lock:
-            if self._pid != os.getpid():  # forked child: the parent's threads do not exist here
-                self._idle.clear()
-                self._all.clear()
-                self._pid = os.getpid()
             worker = self._idle.pop() if self._idle else None
             if worker is None:
                 self._count += 1
@@ -235,6 +242,7 @@ class _Pool:
 
     def shutdown(self) -> None:
         """Stop the idle workers now (the pool starts new ones on its next call)."""
+        self._after_fork()
         with self._lock:
             idle = list(self._idle)
             self._idle.clear()

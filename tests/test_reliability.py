@@ -202,6 +202,40 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_child_gets_a_working_pool_even_if_the_lock_was_held():
+    """A fork while another thread holds the pool's lock must not leave the child's pool locked forever."""
+    import time
+
+    from dpfast._execute import _Pool
+
+    pool = _Pool(name="fork-test")
+    done = threading.Event()
+    pool.submit(lambda: None, done)  # the parent has a worker
+    assert done.wait(5)
+    with pool._lock:  # as if a worker were releasing itself at the moment of the fork
+        pid = os.fork()
+        if pid == 0:  # child: one thread; the parent's workers do not exist here
+            try:
+                ran = threading.Event()
+                pool.submit(ran.set, threading.Event())
+                os._exit(0 if ran.wait(5) and len(pool.threads()) == 1 else 1)
+            except BaseException:
+                os._exit(2)
+    deadline = time.monotonic() + 20
+    while True:
+        waited, status = os.waitpid(pid, os.WNOHANG)
+        if waited:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung on the pool's lock")
+        time.sleep(0.05)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    pool.shutdown()
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads RSS from /proc")
 def test_soak_1000_steps_no_growth_and_gradients_match_plain_module():

@@ -35,6 +35,7 @@ inline void gather_plan(at::TensorList local_chunks, int64_t d, const at::Tensor
   char* base = static_cast<char*>(out.data_ptr());
   const int64_t step = out.stride(d) * static_cast<int64_t>(out.element_size());
   int64_t offset = 0;
+  batch.jobs.reserve(local_chunks.size());
   for (const at::Tensor& c : local_chunks) {
     // the slice out.narrow(d, offset, size) without building the view
     batch.add(c.const_data_ptr(), base + offset * step, c.sizes(), c.strides(), out.strides(), c.element_size(), c,

@@ -15,6 +15,7 @@ inline std::vector<at::Tensor> split_plan(const char* op, at::TensorList xs, int
   check_split(op, xs, dim, sym_sizes, sizes);
   std::vector<at::Tensor> outs;
   outs.reserve(xs.size() * sizes.size());
+  batch.jobs.reserve(xs.size() * sizes.size());
   for (const at::Tensor& x : xs) {
     // a negative dim counts from each tensor's own end: (5, 3) and (2, 5, 3) split dim -2 along 0 and 1
     const int64_t d = dim < 0 ? dim + x.dim() : dim;

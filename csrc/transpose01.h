@@ -14,6 +14,7 @@ inline std::vector<at::Tensor> transpose01_plan(at::TensorList xs, CopyBatch& ba
   check_same_device(op, xs);
   std::vector<at::Tensor> outs;
   outs.reserve(xs.size());
+  batch.jobs.reserve(xs.size());
   for (size_t i = 0; i < xs.size(); ++i) {
     const at::Tensor& x = xs[i];
     TORCH_CHECK_VALUE(x.dim() >= 2, op, ": tensors[", i, "] has shape ", shape_str(x.sizes()), " (", x.dim(),

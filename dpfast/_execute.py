@@ -1,7 +1,8 @@
 """Run the replicas concurrently, like ``torch.nn.parallel.parallel_apply``, on a persistent worker pool.
 
-Grad mode, inference mode, autocast and each CUDA device's current stream are thread-local in PyTorch, so they are
-read in the caller and re-entered in the worker for each task (and left when it ends, so nothing leaks into the
+Grad mode, inference mode, autocast, saved-tensor hooks (``torch.autograd.graph.save_on_cpu`` and the like) and
+each CUDA device's current stream are thread-local in PyTorch, so they are read in the caller and re-entered in the
+worker for each task (and left when it ends, so nothing leaks into the
 next task). Replica 0 runs in the calling thread (one thread fewer, and its state is the caller's own). A single
 replica runs inline and its exceptions propagate unchanged.
 
@@ -43,6 +44,7 @@ class _State:
             st = _autocast_state(dtype)
             if st is not None:
                 self.autocast[dtype] = st
+        self.saved_tensors_hooks = _saved_tensors_hooks()
         self.streams: dict[torch.device, Any] = {}
         for d in devices:
             if d.type == "cuda" and d not in self.streams:
@@ -58,6 +60,16 @@ class _State:
             stack.enter_context(torch.cuda.stream(self.streams[device]))
         for dtype, (adtype, cache) in self.autocast.items():
             stack.enter_context(torch.autocast(dtype, dtype=adtype, enabled=True, cache_enabled=cache))
+        if self.saved_tensors_hooks is not None:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*self.saved_tensors_hooks))
+
+
+def _saved_tensors_hooks() -> Optional[tuple[Callable, Callable]]:
+    """The innermost ``(pack, unpack)`` saved-tensor hooks of this thread (the only ones that apply), or None."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:  # pragma: no cover - torch without the query: the replicas run without the caller's hooks
+        return None
+    return top(False)
 
 
 def _autocast_state(device_type: str) -> Optional[tuple[torch.dtype, bool]]:

@@ -622,6 +622,32 @@ def test_replicas_run_in_threads_with_grad_inference_and_autocast_state():
     assert all(s[3] == torch.float32 for s in seen)  # the autocast state did not leak into the workers
 
 
+def test_saved_tensor_hooks_reach_every_replica():
+    """save_on_cpu-style hooks set around the call apply in the worker threads too, and only during the call."""
+    packed = []
+
+    def pack(t):
+        packed.append(threading.current_thread().name)
+        return t.clone()  # a copy, as an offloading hook would make
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    dp = dpfast.DataParallel(module, ["cpu"] * 3)
+    x = torch.randn(9, 4)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = dp(x)
+    assert len(set(packed)) == 3  # the caller and both workers packed their replicas' saved tensors
+    out.square().sum().backward()
+    got = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad()
+    module(x).square().sum().backward()
+    for g, p in zip(got, module.parameters()):
+        torch.testing.assert_close(g, p.grad)
+    packed.clear()
+    dp(x)
+    assert packed == []  # the hooks did not stay behind in the workers
+
+
 # ---- torch compatibility ----------------------------------------------------------------------------------------------
 
 

@@ -2,9 +2,9 @@
 
 Grad mode, inference mode, autocast, saved-tensor hooks (``torch.autograd.graph.save_on_cpu`` and the like) and
 each CUDA device's current stream are thread-local in PyTorch, so they are read in the caller and re-entered in the
-worker for each task (and left when it ends, so nothing leaks into the
-next task). Replica 0 runs in the calling thread (one thread fewer, and its state is the caller's own). A single
-replica runs inline and its exceptions propagate unchanged.
+worker for each task (and left when it ends, so nothing leaks into the next task). Replica 0 runs in the calling
+thread (one thread fewer, and its state is the caller's own). A single replica runs inline and its exceptions
+propagate unchanged.
 
 Why a pool: torch's parallel_apply starts fresh threads every step, and a fresh thread pays for its first ATen
 call (intra-op thread-pool setup): measured here, ~3 ms per step for two replicas of a small Linear against

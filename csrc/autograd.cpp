@@ -62,8 +62,9 @@ std::vector<size_t> tangents_of(at::TensorList xs, std::vector<at::Tensor>& tang
 }
 
 // Output `which[k] * per_input + j` takes tangent `k * per_input + j` of `moved`.
-void set_tangents(std::vector<at::Tensor>& outs, const std::vector<size_t>& which, size_t per_input,
+void set_tangents(const char* op, std::vector<at::Tensor>& outs, const std::vector<size_t>& which, size_t per_input,
                   const std::vector<at::Tensor>& moved) {
+  check_output_count(op, moved.size(), which.size() * per_input);
   for (size_t k = 0; k < which.size(); ++k) {
     for (size_t j = 0; j < per_input; ++j) {
       outs[which[k] * per_input + j]._set_fw_grad(moved[k * per_input + j], /*level=*/0, /*is_inplace_op=*/false);
@@ -80,6 +81,7 @@ struct Transpose01Backward : Node {
     }
     if (defined.empty()) return variable_list(grads.size());
     auto moved = transpose01_op().call(defined);  // all gradients in one launch
+    check_output_count("transpose01", moved.size(), defined.size());
     variable_list out(grads.size());
     for (size_t i = 0, k = 0; i < grads.size(); ++i) {
       if (grads[i].defined() && should_compute_output(i)) out[i] = std::move(moved[k++]);
@@ -100,6 +102,8 @@ struct SplitBackward : Node {
   std::string name() const override { return op_name; }
   variable_list apply(variable_list&& grads) override {
     const size_t n_inputs = source_devices.size();
+    TORCH_CHECK(grads.size() == n_inputs * n_chunks, op_name, " got ", grads.size(), " gradients for ", n_inputs,
+                " tensors of ", n_chunks, " chunks");
     variable_list out(n_inputs);
     for (size_t i = 0; i < n_inputs; ++i) {
       if (!should_compute_output(i)) continue;
@@ -129,6 +133,7 @@ struct GatherBackward : Node {
   variable_list apply(variable_list&& grads) override {
     if (!grads[0].defined()) return variable_list(sizes.size());
     auto parts = scatter_op().call({grads[0]}, dim, sizes, devices);
+    check_output_count("scatter", parts.size(), sizes.size());
     return variable_list(std::make_move_iterator(parts.begin()), std::make_move_iterator(parts.end()));
   }
 };
@@ -148,6 +153,7 @@ std::vector<at::Tensor> transpose01_autograd(at::TensorList xs) {
     at::AutoDispatchBelowADInplaceOrView guard;
     outs = transpose01_op().call(xs);
   }
+  check_output_count("transpose01", outs.size(), xs.size());
   if (torch::autograd::compute_requires_grad(xs)) {
     auto node = make_node<Transpose01Backward>();
     node->set_next_edges(torch::autograd::collect_next_edges(xs));
@@ -155,7 +161,7 @@ std::vector<at::Tensor> transpose01_autograd(at::TensorList xs) {
   }
   std::vector<at::Tensor> tangents;
   const auto which = tangents_of(xs, tangents);
-  if (!which.empty()) set_tangents(outs, which, 1, transpose01_op().call(tangents));
+  if (!which.empty()) set_tangents("transpose01", outs, which, 1, transpose01_op().call(tangents));
   return outs;
 }
 
@@ -165,6 +171,7 @@ std::vector<at::Tensor> split_contiguous_autograd(at::TensorList xs, int64_t dim
     at::AutoDispatchBelowADInplaceOrView guard;
     outs = split_op().call(xs, dim, sizes);
   }
+  check_output_count("split_contiguous", outs.size(), xs.size() * sizes.size());
   if (torch::autograd::compute_requires_grad(xs)) {
     auto node = make_node<SplitBackward>("dpfast::SplitContiguousBackward", dim, sizes.size(), devices_of(xs));
     node->set_next_edges(torch::autograd::collect_next_edges(xs));
@@ -172,7 +179,7 @@ std::vector<at::Tensor> split_contiguous_autograd(at::TensorList xs, int64_t dim
   }
   std::vector<at::Tensor> tangents;
   const auto which = tangents_of(xs, tangents);
-  if (!which.empty()) set_tangents(outs, which, sizes.size(), split_op().call(tangents, dim, sizes));
+  if (!which.empty()) set_tangents("split_contiguous", outs, which, sizes.size(), split_op().call(tangents, dim, sizes));
   return outs;
 }
 
@@ -183,6 +190,7 @@ std::vector<at::Tensor> scatter_autograd(at::TensorList xs, int64_t dim, c10::Sy
     at::AutoDispatchBelowADInplaceOrView guard;
     outs = scatter_op().call(xs, dim, sizes, devices);
   }
+  check_output_count("scatter", outs.size(), xs.size() * sizes.size());
   if (torch::autograd::compute_requires_grad(xs)) {
     auto node = make_node<SplitBackward>("dpfast::ScatterBackward", dim, sizes.size(), devices_of(xs));
     node->set_next_edges(torch::autograd::collect_next_edges(xs));
@@ -190,7 +198,7 @@ std::vector<at::Tensor> scatter_autograd(at::TensorList xs, int64_t dim, c10::Sy
   }
   std::vector<at::Tensor> tangents;
   const auto which = tangents_of(xs, tangents);
-  if (!which.empty()) set_tangents(outs, which, sizes.size(), scatter_op().call(tangents, dim, sizes, devices));
+  if (!which.empty()) set_tangents("scatter", outs, which, sizes.size(), scatter_op().call(tangents, dim, sizes, devices));
   return outs;
 }
 

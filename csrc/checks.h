@@ -3,10 +3,13 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
 #include <c10/core/SymInt.h>
 #include <c10/util/ArrayRef.h>
 #include <c10/util/Exception.h>
+#include <c10/util/safe_numerics.h>
 
+#include <cctype>
 #include <string>
 #include <vector>
 
@@ -23,6 +26,27 @@ inline std::string list_str(c10::IntArrayRef values) {
   std::string s = "[";
   for (size_t i = 0; i < values.size(); ++i) s += (i ? ", " : "") + std::to_string(values[i]);
   return s + "]";
+}
+
+// A dtype as Python prints it ("torch.float32"), so messages read the same from C++ and from dpfast.reference.
+inline std::string dtype_str(c10::ScalarType t) {
+  switch (t) {
+    case c10::ScalarType::Float: return "torch.float32";
+    case c10::ScalarType::Double: return "torch.float64";
+    case c10::ScalarType::Half: return "torch.float16";
+    case c10::ScalarType::ComplexHalf: return "torch.complex32";
+    case c10::ScalarType::ComplexFloat: return "torch.complex64";
+    case c10::ScalarType::ComplexDouble: return "torch.complex128";
+    case c10::ScalarType::Long: return "torch.int64";
+    case c10::ScalarType::Int: return "torch.int32";
+    case c10::ScalarType::Short: return "torch.int16";
+    case c10::ScalarType::Char: return "torch.int8";
+    case c10::ScalarType::Byte: return "torch.uint8";
+    default: break;
+  }
+  std::string name = c10::toString(t);  // the rest are Python's names capitalized: BFloat16, Bool, Float8_e5m2
+  for (char& ch : name) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  return "torch." + name;
 }
 
 // `dim` of `x` (the i-th tensor of the `what` list), wrapped to [0, x.dim()).
@@ -46,6 +70,17 @@ inline void check_defined(const char* op, const char* what, at::TensorList xs) {
   }
 }
 
+// The number of elements of `shape` and its size in bytes, refused (ValueError, as dpfast.reference does) when
+// either passes 2^63 - 1: a wrapped count would allocate a small output and copy a large input into it.
+inline int64_t checked_nbytes(const char* op, const char* what, c10::IntArrayRef shape, int64_t element_size) {
+  int64_t n = 1;
+  bool overflow = false;
+  for (int64_t s : shape) overflow |= c10::mul_overflows(n, s, &n);
+  overflow |= c10::mul_overflows(n, element_size, &n);
+  TORCH_CHECK_VALUE(!overflow, op, ": ", what, " of shape ", shape_str(shape), " would hold more than 2**63 - 1 bytes");
+  return n;
+}
+
 // Concrete chunk sizes: each >= 0, summing to the size of `dim` in every tensor. A negative `dim` wraps per
 // tensor (the tensors may differ in rank), so callers wrap it for each tensor themselves.
 inline void check_split(const char* op, at::TensorList xs, int64_t dim, c10::SymIntArrayRef sym_sizes,
@@ -58,7 +93,10 @@ inline void check_split(const char* op, at::TensorList xs, int64_t dim, c10::Sym
     const int64_t s = sym_sizes[j].guard_int(__FILE__, __LINE__);
     TORCH_CHECK_VALUE(s >= 0, op, ": sizes[", j, "] is ", s, "; chunk sizes must be >= 0");
     sizes.push_back(s);
-    total += s;
+  }
+  for (size_t j = 0; j < sizes.size(); ++j) {
+    TORCH_CHECK_VALUE(!c10::add_overflows(total, sizes[j], &total), op, ": sizes ", list_str(sizes),
+                      " sum past 2**63 - 1; the sizes must sum to the size of dim ", dim);
   }
   for (size_t i = 0; i < xs.size(); ++i) {
     const int64_t wrapped = wrap_dim(op, "tensors", i, xs[i], dim);

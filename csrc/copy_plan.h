@@ -55,6 +55,8 @@ DPFAST_HD void job_offsets(const CopyJob& job, int64_t u, int64_t& src_off, int6
 
 #if !defined(__CUDACC_RTC__)
 #include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <c10/util/safe_numerics.h>
 
 #include <utility>
 #include <vector>
@@ -72,11 +74,16 @@ struct CopyBatch {
   // and `dst_base` are the tensors the pointers lie in, used only to build views for the rare fallback copy.
   void add(const void* src_ptr, void* dst_ptr, c10::IntArrayRef shape, c10::IntArrayRef src_stride,
            c10::IntArrayRef dst_stride, size_t element_size, const at::Tensor& src_base, const at::Tensor& dst_base) {
-    int64_t n = 1;
-    for (int64_t s : shape) n *= s;
-    if (n == 0) return;
+    for (int64_t s : shape) {
+      if (s == 0) return;  // before multiplying: a zero anywhere makes the product of the others irrelevant
+    }
     const int64_t es = static_cast<int64_t>(element_size);
-    bytes += n * es;
+    int64_t n = 1;
+    bool overflow = false;
+    for (int64_t s : shape) overflow |= c10::mul_overflows(n, s, &n);
+    int64_t n_bytes = 0;
+    overflow |= c10::mul_overflows(n, es, &n_bytes) || c10::add_overflows(bytes, n_bytes, &bytes);
+    TORCH_CHECK(!overflow, "dpfast: a copy of ", shape.size(), "-dim shape overflows a 64-bit byte count");
 
     // Dims of size 1 carry no information; then merge each dim into its inner neighbour when both sides
     // are laid out contiguously across the pair, innermost first.

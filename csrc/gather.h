@@ -22,11 +22,14 @@ inline int64_t gather_check(at::TensorList chunks, int64_t dim, std::vector<int6
     wrap_dim(op, "chunks", i, c, dim);
     bool same = c.dim() == ref.dim() && c.scalar_type() == ref.scalar_type();
     for (int64_t k = 0; same && k < c.dim(); ++k) same = k == d || c.size(k) == ref.size(k);
-    TORCH_CHECK_VALUE(same, op, ": chunks[", i, "] has shape ", shape_str(c.sizes()), " and dtype ", c.scalar_type(),
-                      " but chunks[0] has ", shape_str(ref.sizes()), " and ", ref.scalar_type(),
+    TORCH_CHECK_VALUE(same, op, ": chunks[", i, "] has shape ", shape_str(c.sizes()), " and dtype ",
+                      dtype_str(c.scalar_type()), " but chunks[0] has ", shape_str(ref.sizes()), " and ",
+                      dtype_str(ref.scalar_type()),
                       "; chunks must agree in dtype and in every dim except ", dim);
-    out_shape[d] += c.size(d);
+    TORCH_CHECK_VALUE(!c10::add_overflows(out_shape[d], c.size(d), &out_shape[d]), op,
+                      ": the chunks' sizes along dim ", dim, " sum past 2**63 - 1");
   }
+  checked_nbytes(op, "the output", out_shape, static_cast<int64_t>(ref.element_size()));
   return d;
 }
 
@@ -37,6 +40,13 @@ inline void gather_plan(at::TensorList local_chunks, int64_t d, const at::Tensor
   int64_t offset = 0;
   batch.jobs.reserve(local_chunks.size());
   for (const at::Tensor& c : local_chunks) {
+    // gather_check sized `out` from these chunks; a chunk that does not fit its slice must never be copied
+    TORCH_CHECK(c.dim() == out.dim() && c.size(d) <= out.size(d) - offset, "gather: chunk of shape ",
+                shape_str(c.sizes()), " does not fit the output ", shape_str(out.sizes()), " at offset ", offset);
+    for (int64_t k = 0; k < c.dim(); ++k) {
+      TORCH_CHECK(k == d || c.size(k) == out.size(k), "gather: chunk of shape ", shape_str(c.sizes()),
+                  " does not match the output ", shape_str(out.sizes()));
+    }
     // the slice out.narrow(d, offset, size) without building the view
     batch.add(c.const_data_ptr(), base + offset * step, c.sizes(), c.strides(), out.strides(), c.element_size(), c,
               out);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/Exception.h>
 
 #include <vector>
 
@@ -33,6 +34,13 @@ inline const c10::TypedOperatorHandle<ScatterFn>& scatter_op() {
 inline const c10::TypedOperatorHandle<GatherFn>& gather_op() {
   static const auto op = op_handle<GatherFn>("dpfast::gather");
   return op;
+}
+
+// A kernel or TorchDispatchMode may return any number of tensors for a dpfast op: check the count before anything
+// indexes the result.
+inline void check_output_count(const char* op, size_t got, size_t expected) {
+  TORCH_CHECK(got == expected, "dpfast::", op, " returned ", got, " tensors where ", expected,
+              " were expected; a kernel or TorchDispatchMode handling dpfast ops must return one tensor per output");
 }
 
 }  // namespace dpfast

@@ -86,7 +86,8 @@ bool plain_devices(PyObject* seq, std::vector<c10::Device>& out) {
 }
 
 // out[i][j] = flat[i * per + j], as Python lists.
-PyObject* nested_lists(std::vector<at::Tensor>&& flat, size_t rows, size_t per) {
+PyObject* nested_lists(const char* op, std::vector<at::Tensor>&& flat, size_t rows, size_t per) {
+  check_output_count(op, flat.size(), rows * per);
   PyObject* outer = PyList_New(static_cast<Py_ssize_t>(rows));
   if (outer == nullptr) return nullptr;
   for (size_t i = 0; i < rows; ++i) {
@@ -119,6 +120,7 @@ PyObject* py_transpose01(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     ReleaseGil nogil;
     outs = transpose01_op().call(xs);
   }
+  check_output_count("transpose01", outs.size(), xs.size());
   PyObject* tuple = PyTuple_New(static_cast<Py_ssize_t>(outs.size()));
   if (tuple == nullptr) return nullptr;
   for (size_t i = 0; i < outs.size(); ++i) {
@@ -157,7 +159,7 @@ PyObject* py_split_contiguous(PyObject*, PyObject* const* args, Py_ssize_t nargs
     ReleaseGil nogil;
     outs = split_op().call(xs, dim, sizes);
   }
-  return nested_lists(std::move(outs), xs.size(), sizes.size());
+  return nested_lists("split_contiguous", std::move(outs), xs.size(), sizes.size());
   END_HANDLE_TH_ERRORS
 }
 
@@ -177,7 +179,7 @@ PyObject* py_scatter(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     ReleaseGil nogil;
     outs = scatter_op().call(xs, dim, sizes, devices);
   }
-  return nested_lists(std::move(outs), xs.size(), sizes.size());
+  return nested_lists("scatter", std::move(outs), xs.size(), sizes.size());
   END_HANDLE_TH_ERRORS
 }
 

@@ -10,6 +10,7 @@ with ``in_dims={'h': 1}`` as the fix.
 from __future__ import annotations
 
 import math
+import numbers
 from collections import Counter
 from fractions import Fraction
 from typing import Any, Optional, Sequence
@@ -46,13 +47,14 @@ def validate_chunk_sizes(chunk_sizes: Optional[Sequence[float]], n_devices: int)
         )
     out = []
     for i, w in enumerate(weights):
-        if isinstance(w, bool) or not isinstance(w, (int, float, Fraction)):
+        # numbers.Real takes numpy's ints and floats too; bool (an int) is almost surely a mistake
+        if isinstance(w, bool) or type(w).__name__ == "bool_" or not isinstance(w, numbers.Real):
             raise TypeError(f"chunk_sizes[{i}] is {type(w).__name__} {w!r}; weights are ints or floats")
-        if isinstance(w, float) and not math.isfinite(w):
+        if not isinstance(w, numbers.Rational) and not math.isfinite(w):
             raise ValueError(f"chunk_sizes[{i}] is {w!r}; weights must be finite")
         if w < 0:
             raise ValueError(f"chunk_sizes[{i}] is {w!r}; weights must be >= 0 (0 skips that device)")
-        out.append(Fraction(w))
+        out.append(Fraction(int(w)) if isinstance(w, numbers.Integral) else Fraction(w))
     if sum(out) == 0:
         raise ValueError(f"chunk_sizes {weights!r} are all zero; at least one device needs a positive weight")
     return out

@@ -217,9 +217,10 @@ class DataParallel(nn.Module):
 
         Raises the same errors the call would raise before copying anything (``ScatterError``, ``TypeError``...).
         """
-        tree = ArgumentTree(self._specs, inputs, kwargs)
-        if not self._devices:
+        if not self._devices:  # the call ignores in_dims then, so the plan must not raise for them either
+            tree = ArgumentTree(ArgumentSpecs(forward_of(self.module), None, 0), inputs, kwargs)
             return Plan("passthrough", None, [], [], None, plan_rows(tree, [], [], single=True))
+        tree = ArgumentTree(self._specs, inputs, kwargs)
         self._check_input_devices(tree)
         mapped = mapped_leaves(tree)
         if len(self._devices) == 1:  # nothing is split (see forward): B is informative only

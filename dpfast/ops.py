@@ -14,6 +14,7 @@ from typing import Sequence, Union
 import torch
 from torch import Tensor
 
+from . import _op_checks as checks
 from . import reference
 from ._extension import LOADED
 
@@ -30,30 +31,15 @@ __all__ = [
 ]
 
 
-_DEVICE_CACHE: dict = {}
-_CPU = torch.device("cpu")
+as_device = checks.as_device
 
 
-def as_device(d: DeviceLike) -> torch.device:
-    """``0`` -> ``cuda:0``; strings and devices as torch reads them; a bare ``"cuda"`` -> the current CUDA device."""
-    # the common case, already normal (compared with ==: reading torch.device.type builds a string, ~0.4 µs)
-    if type(d) is torch.device and (d.index is not None or d == _CPU):
-        return d
-    if isinstance(d, bool) or not isinstance(d, (int, str, torch.device)):
-        raise TypeError(f"expected a device (int, str or torch.device), got {type(d).__name__} {d!r}")
-    key = (type(d), d)
-    dev = _DEVICE_CACHE.get(key)
-    if dev is None:
-        dev = torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
-        if dev.type == "cuda" and dev.index is None:
-            # "cuda" means the current device, which can change: never cached
-            return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else dev
-        if len(_DEVICE_CACHE) < 256:  # parsing a device string costs microseconds; calls repeat the same few
-            _DEVICE_CACHE[key] = dev
-    return dev
-
-
-def _unflatten(flat: Sequence[Tensor], n_tensors: int, n_chunks: int) -> list[list[Tensor]]:
+def _unflatten(op: str, flat: Sequence[Tensor], n_tensors: int, n_chunks: int) -> list[list[Tensor]]:
+    if len(flat) != n_tensors * n_chunks:  # a kernel or TorchDispatchMode may return any number of tensors
+        raise RuntimeError(
+            f"dpfast::{op} returned {len(flat)} tensors where {n_tensors * n_chunks} were expected; a kernel or "
+            "TorchDispatchMode handling dpfast ops must return one tensor per output"
+        )
     return [list(flat[i * n_chunks : (i + 1) * n_chunks]) for i in range(n_tensors)]
 
 
@@ -64,9 +50,10 @@ if LOADED:
     _split = torch.ops.dpfast.split_contiguous.default
     _scatter = torch.ops.dpfast.scatter.default
     _gather = torch.ops.dpfast.gather.default
-    # Direct entry points (csrc/python_calls.cpp): about 2 µs a call cheaper than torch.ops' boxed path. They take
-    # plain tensors and arguments and return NotImplemented for anything else (a subclass, a __torch_function__
-    # mode), which then goes through torch.ops. torch.compile traces the torch.ops path.
+    # Direct entry points (csrc/python_calls.cpp), cheaper than torch.ops' boxed path. They take plain tensors and
+    # arguments and return NotImplemented for anything else (a subclass, a __torch_function__ mode, a numpy int),
+    # which then goes through torch.ops after the same argument conversions the reference makes.
+    # torch.compile traces the torch.ops path.
     _fast_transpose01 = _C._transpose01
     _fast_split = _C._split_contiguous
     _fast_scatter = _C._scatter
@@ -80,7 +67,13 @@ if LOADED:
             if out is not NotImplemented:
                 return out
         # The dispatcher picks a kernel from the tensors, so an empty call never reaches C++.
-        return tuple(_transpose01(tensors)) if tensors else ()
+        if not tensors:
+            return ()
+        checks.check_tensors("transpose01", "tensors", tensors)
+        out = _transpose01(tensors)
+        if len(out) != len(tensors):
+            _unflatten("transpose01", out, len(tensors), 1)  # raises
+        return tuple(out)
 
     def split_contiguous(tensors: Sequence[Tensor], dim: int, sizes: Sequence[int]) -> list[list[Tensor]]:
         """``out[i][j]``: chunk ``j`` (``sizes[j]`` long along ``dim``) of ``tensors[i]``, contiguous; one launch."""
@@ -88,10 +81,11 @@ if LOADED:
             out = _fast_split(tensors, dim, sizes)
             if out is not NotImplemented:
                 return out
-        sizes = list(sizes)
+        dim, sizes = checks.as_dim("split_contiguous", dim), checks.as_sizes("split_contiguous", sizes)
         if not tensors:
             return reference.split_contiguous(tensors, dim, sizes)
-        return _unflatten(_split(tensors, dim, sizes), len(tensors), len(sizes))
+        checks.check_tensors("split_contiguous", "tensors", tensors)
+        return _unflatten("split_contiguous", _split(tensors, dim, sizes), len(tensors), len(sizes))
 
     def scatter(
         tensors: Sequence[Tensor], dim: int, sizes: Sequence[int], devices: Sequence[DeviceLike]
@@ -107,10 +101,12 @@ if LOADED:
             out = _fast_scatter(tensors, dim, sizes, devices)
             if out is not NotImplemented:
                 return out
-        sizes = list(sizes)
+        dim, sizes = checks.as_dim("scatter", dim), checks.as_sizes("scatter", sizes)
         if not tensors:
             return reference.scatter(tensors, dim, sizes, devices)
-        return _unflatten(_scatter(tensors, dim, sizes, devices), len(tensors), len(sizes))
+        checks.check_scatter(sizes, devices)
+        checks.check_tensors("scatter", "tensors", tensors)
+        return _unflatten("scatter", _scatter(tensors, dim, sizes, devices), len(tensors), len(sizes))
 
     def gather(chunks: Sequence[Tensor], dim: int, device: DeviceLike) -> Tensor:
         """Concatenate ``chunks`` along ``dim`` on ``device`` (the inverse of :func:`scatter`)."""
@@ -119,21 +115,29 @@ if LOADED:
             out = _fast_gather(chunks, dim, device)
             if out is not NotImplemented:
                 return out
+        dim = checks.as_dim("gather", dim)
         if not chunks:
             return reference.gather(chunks, dim, device)  # raises the error that names the problem
+        checks.check_tensors("gather", "chunks", chunks)
         return _gather(chunks, dim, device)
 
-    # ---- fake kernels: shapes, dtypes and devices only, for torch.compile / FakeTensor tracing ----
+    # ---- fake kernels: shapes, dtypes and devices only, for torch.compile / FakeTensor tracing and meta tensors.
+    # They check what the C++ kernels check, with the same messages, and never make a tensor with data (a CPU
+    # tensor) out of meta inputs: that raises, as Tensor.to does.
 
-    def _fake_dim(t: Tensor, dim: int) -> int:
-        torch._check(-t.dim() <= dim < t.dim(), lambda: f"dim {dim} out of range for shape {tuple(t.shape)}")
-        return dim % t.dim()
+    def _chunk_shapes(x: Tensor, d: int, sizes: Sequence[int]) -> list[list]:
+        shapes = []
+        for s in sizes:
+            shape = list(x.shape)
+            shape[d] = s
+            shapes.append(shape)
+        return shapes
 
     @torch.library.register_fake("dpfast::transpose01")
     def _(xs: list[Tensor]) -> list[Tensor]:
+        checks.check_transpose01(xs)
         outs = []
         for x in xs:
-            torch._check(x.dim() >= 2, lambda: "transpose01: every tensor needs at least 2 dims")
             shape = list(x.shape)
             shape[0], shape[1] = shape[1], shape[0]
             outs.append(x.new_empty(shape))
@@ -141,46 +145,28 @@ if LOADED:
 
     @torch.library.register_fake("dpfast::split_contiguous")
     def _(xs: list[Tensor], dim: int, sizes: list[int]) -> list[Tensor]:
-        outs = []
-        for x in xs:
-            d = _fake_dim(x, dim)
-            torch._check(sum(sizes) == x.shape[d], lambda: "split_contiguous: sizes must sum to the axis")
-            for s in sizes:
-                shape = list(x.shape)
-                shape[d] = s
-                outs.append(x.new_empty(shape))
-        return outs
+        dims = checks.check_split("split_contiguous", xs, dim, sizes)
+        return [x.new_empty(shape) for x, d in zip(xs, dims) for shape in _chunk_shapes(x, d, sizes)]
 
     @torch.library.register_fake("dpfast::scatter")
     def _(xs: list[Tensor], dim: int, sizes: list[int], devices: list[torch.device]) -> list[Tensor]:
-        torch._check(len(sizes) == len(devices), lambda: "scatter: one device per chunk size")
-        outs = []
-        for x in xs:
-            d = _fake_dim(x, dim)
-            torch._check(sum(sizes) == x.shape[d], lambda: "scatter: sizes must sum to the axis")
-            for s, dev in zip(sizes, devices):
-                shape = list(x.shape)
-                shape[d] = s
-                outs.append(x.new_empty(shape, device=dev))
-        return outs
+        checks.check_scatter(sizes, devices)
+        dims = checks.check_split("scatter", xs, dim, sizes)
+        checks.check_meta_copy("scatter", "tensors", xs, devices)
+        return [x.new_empty(shape, device=dev) for x, d in zip(xs, dims)
+                for shape, dev in zip(_chunk_shapes(x, d, sizes), devices)]
 
     @torch.library.register_fake("dpfast::gather")
     def _(chunks: list[Tensor], dim: int, device: torch.device) -> Tensor:
-        torch._check(len(chunks) > 0, lambda: "gather: chunks is empty")
-        d = _fake_dim(chunks[0], dim)
-        shape = list(chunks[0].shape)
-        shape[d] = sum(c.shape[d] for c in chunks)
+        _, shape = checks.check_gather(chunks, dim)
+        checks.check_meta_copy("gather", "chunks", chunks, [device])
         return chunks[0].new_empty(shape, device=device)
 
 else:
     transpose01 = reference.transpose01
     split_contiguous = reference.split_contiguous
+    scatter = reference.scatter
     gather = reference.gather
-
-    def scatter(  # type: ignore[misc]
-        tensors: Sequence[Tensor], dim: int, sizes: Sequence[int], devices: Sequence[DeviceLike]
-    ) -> list[list[Tensor]]:
-        return reference.scatter(tensors, dim, sizes, [as_device(d) for d in devices])
 
 
 def state_to_batch_first(state: State) -> State:

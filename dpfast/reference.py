@@ -6,10 +6,12 @@ Results are fresh contiguous tensors (never views of the inputs), as the fused o
 
 from __future__ import annotations
 
-from typing import Callable, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 import torch
 from torch import Tensor
+
+from . import _op_checks as checks
 
 DeviceLike = Union[int, str, torch.device]
 State = Union[Tensor, tuple]
@@ -29,15 +31,17 @@ def _fresh(x: Tensor) -> Tensor:
     return x.clone(memory_format=torch.contiguous_format)
 
 
+def _resolved(x: Tensor) -> Tensor:
+    # Lazy conjugation/negation bits resolved the way the C++ ops resolve them (csrc/math_bits.cpp): torch's other
+    # negation path quiets signalling NaNs of half-precision types differently.
+    return x.resolve_conj().resolve_neg()
+
+
 def transpose01(*tensors: Tensor) -> tuple[Tensor, ...]:
     """Each input (dim >= 2) as ``x.transpose(0, 1).contiguous()``."""
-    for i, x in enumerate(tensors):
-        if x.dim() < 2:
-            raise ValueError(
-                f"transpose01: tensors[{i}] has shape {tuple(x.shape)} ({x.dim()} dims); every tensor needs at "
-                "least 2 dims to swap dims 0 and 1"
-            )
-    return tuple(_fresh(x.transpose(0, 1)) for x in tensors)
+    checks.check_tensors("transpose01", "tensors", tensors)
+    checks.check_transpose01(tensors)
+    return tuple(_fresh(_resolved(x).transpose(0, 1)) for x in tensors)
 
 
 def _map_state(state: State, name: str, transpose: Callable[..., tuple] = transpose01) -> State:
@@ -64,78 +68,36 @@ def state_to_layer_first(state: State) -> State:
     return _map_state(state, "state_to_layer_first")
 
 
-def _check_sizes(tensors: Sequence[Tensor], dim: int, sizes: Sequence[int], op: str) -> list[int]:
-    if len(tensors) == 0:
-        return []
-    sizes = [int(s) for s in sizes]
-    for j, s in enumerate(sizes):
-        if s < 0:
-            raise ValueError(f"{op}: sizes[{j}] is {s}; chunk sizes must be >= 0")
-    dev = tensors[0].device
-    for i, x in enumerate(tensors):
-        if x.device != dev:
-            raise ValueError(
-                f"{op}: tensors[{i}] is on {x.device} but tensors[0] is on {dev}; move all tensors to one device"
-            )
-        if x.dim() == 0:
-            raise ValueError(f"{op}: tensors[{i}] is 0-dim; it has no dim {dim} to split")
-        if not -x.dim() <= dim < x.dim():
-            raise IndexError(
-                f"{op}: dim {dim} is out of range for tensors[{i}] of shape {tuple(x.shape)} "
-                f"(expected a dim in [{-x.dim()}, {x.dim() - 1}])"
-            )
-        if sum(sizes) != x.shape[dim]:
-            raise ValueError(
-                f"{op}: sizes {sizes} sum to {sum(sizes)} but tensors[{i}] has size {x.shape[dim]} along dim {dim} "
-                f"(shape {tuple(x.shape)}); the sizes must sum to that axis"
-            )
-    return sizes
+def _split(tensors: Sequence[Tensor], dim: Any, sizes: Any, op: str) -> list[list[Tensor]]:
+    dim = checks.as_dim(op, dim)
+    sizes = checks.as_sizes(op, sizes)
+    checks.check_tensors(op, "tensors", tensors)
+    dims = checks.check_split(op, tensors, dim, sizes)
+    return [[_fresh(c) for c in torch.split(_resolved(x), sizes, d)] for x, d in zip(tensors, dims)]
 
 
 def split_contiguous(tensors: Sequence[Tensor], dim: int, sizes: Sequence[int]) -> list[list[Tensor]]:
     """``out[i][j]`` is chunk ``j`` (of size ``sizes[j]`` along ``dim``) of ``tensors[i]``, contiguous."""
-    sizes = _check_sizes(tensors, dim, sizes, "split_contiguous")
-    return [[_fresh(c) for c in torch.split(x, sizes, dim)] for x in tensors]
-
-
-def _as_device(d: DeviceLike) -> torch.device:
-    if isinstance(d, int):
-        return torch.device("cuda", d)
-    return torch.device(d)
+    return _split(tensors, dim, sizes, "split_contiguous")
 
 
 def scatter(
     tensors: Sequence[Tensor], dim: int, sizes: Sequence[int], devices: Sequence[DeviceLike]
 ) -> list[list[Tensor]]:
     """``out[i][j]`` is chunk ``j`` of ``tensors[i]`` along ``dim``, contiguous, on ``devices[j]``."""
-    if len(devices) != len(sizes):
-        raise ValueError(
-            f"scatter: got {len(sizes)} sizes but {len(devices)} devices; give one device per chunk size"
-        )
-    devs = [_as_device(d) for d in devices]
-    chunks = split_contiguous(tensors, dim, sizes)
+    devs = [checks.as_device(d) for d in devices]
+    dim, sizes = checks.as_dim("scatter", dim), checks.as_sizes("scatter", sizes)
+    checks.check_scatter(sizes, devs)
+    chunks = _split(tensors, dim, sizes, "scatter")
+    checks.check_meta_copy("scatter", "tensors", tensors, devs)
     return [[c if c.device == d else c.to(d) for c, d in zip(row, devs)] for row in chunks]
 
 
 def gather(chunks: Sequence[Tensor], dim: int, device: DeviceLike) -> Tensor:
     """Concatenate ``chunks`` along ``dim`` on ``device``: the inverse of :func:`scatter`."""
-    if len(chunks) == 0:
-        raise ValueError("gather: chunks is empty; give at least one tensor to concatenate")
-    ref = chunks[0]
-    for i, c in enumerate(chunks):
-        if c.dim() == 0:
-            raise ValueError(f"gather: chunks[{i}] is 0-dim; it has no dim {dim} to concatenate along")
-        if not -c.dim() <= dim < c.dim():
-            raise IndexError(
-                f"gather: dim {dim} is out of range for chunks[{i}] of shape {tuple(c.shape)} "
-                f"(expected a dim in [{-c.dim()}, {c.dim() - 1}])"
-            )
-        if c.dim() != ref.dim() or c.dtype != ref.dtype or any(
-            a != b for k, (a, b) in enumerate(zip(c.shape, ref.shape)) if k != dim % c.dim()
-        ):
-            raise ValueError(
-                f"gather: chunks[{i}] has shape {tuple(c.shape)} and dtype {c.dtype} but chunks[0] has "
-                f"{tuple(ref.shape)} and {ref.dtype}; chunks must agree in dtype and in every dim except {dim}"
-            )
-    dev = _as_device(device)
-    return torch.cat([c.to(dev) for c in chunks], dim)
+    dev = checks.as_device(device)
+    dim = checks.as_dim("gather", dim)
+    checks.check_tensors("gather", "chunks", chunks)
+    d, _ = checks.check_gather(chunks, dim)
+    checks.check_meta_copy("gather", "chunks", chunks, [dev])
+    return torch.cat([_resolved(c).to(dev) for c in chunks], d)

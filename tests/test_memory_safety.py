@@ -1,0 +1,126 @@
+"""Hostile but legal-looking arguments to the fused ops: each case must end in a clean error or a right result.
+
+Every case runs in a subprocess, so a crash (a heap overflow, an index past a vector) fails that test instead of
+killing the test run. The same cases run under AddressSanitizer/UBSan in `make sanitize`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import dpfast
+
+PRELUDE = """
+import torch, dpfast
+from dpfast import ops, reference
+from torch.utils._python_dispatch import TorchDispatchMode
+
+def expect(exc, match, fn):
+    try:
+        fn()
+    except exc as e:
+        assert match in str(e), f"{type(e).__name__}: {e}"
+    else:
+        raise AssertionError(f"no {exc.__name__} raised")
+
+class Truncating(TorchDispatchMode):
+    # returns one tensor fewer than a dpfast op should: callers must check the count before indexing
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "dpfast" and isinstance(out, (list, tuple)):
+            return list(out)[:-1]
+        return out
+
+huge = torch.zeros(1, dtype=torch.uint8).expand(2**62)        # zero strides: 2**62 elements, one byte of memory
+huge5 = torch.zeros(1, dtype=torch.uint8).expand(2**62 + 5)
+"""
+
+CASES = {
+    "gather_sizes_sum_past_int64": """
+        for path in (ops, reference):
+            expect(ValueError, "sum past 2**63 - 1", lambda: path.gather([huge, huge, huge, huge5], 0, "cpu"))
+        expect(ValueError, "sum past 2**63 - 1", lambda: torch.ops.dpfast.gather([huge, huge, huge, huge5], 0, "cpu"))
+    """,
+    "gather_output_bytes_past_int64": """
+        rows = torch.zeros(1, 1, dtype=torch.float64).expand(2**60, 2)  # 2**61 elements each
+        for path in (ops, reference):
+            expect(ValueError, "more than 2**63 - 1 bytes", lambda: path.gather([rows] * 4, 0, "cpu"))
+    """,
+    "split_sizes_sum_past_int64": """
+        x = torch.zeros(3)
+        for path in (ops, reference):
+            expect(ValueError, "sum past 2**63 - 1", lambda: path.split_contiguous([x], 0, [2**63 - 1, 2**63 - 1, 5]))
+            expect(ValueError, "sum past 2**63 - 1", lambda: path.scatter([x], 0, [2**63 - 1, 2**63 - 1, 5], ["cpu"] * 3))
+    """,
+    "split_of_a_huge_zero_stride_view": """
+        for path in (ops, reference):  # the allocator refuses the 2**62-byte chunk before anything is copied
+            expect(RuntimeError, "allocate", lambda: path.split_contiguous([huge5], 0, [2**62 + 3, 2]))
+    """,
+    "dispatch_mode_returns_too_few_tensors": """
+        x = torch.randn(4, 3)
+        for grad in (False, True):
+            x.requires_grad_(grad)
+            with Truncating():
+                expect(RuntimeError, "were expected", lambda: ops.split_contiguous([x], 0, [2, 2]))
+                expect(RuntimeError, "were expected", lambda: ops.scatter([x], 0, [2, 2], ["cpu", "cpu"]))
+                expect(RuntimeError, "were expected", lambda: ops.transpose01(x, x))
+                expect(RuntimeError, "were expected", lambda: torch.ops.dpfast.split_contiguous([x], 0, [2, 2]))
+    """,
+    "dispatch_mode_in_backward_and_forward_ad": """
+        import torch.autograd.forward_ad as fwAD
+        x = torch.randn(4, 3, requires_grad=True)
+        parts = ops.split_contiguous([x], 0, [2, 2])[0]
+        loss = parts[0].sum() + parts[1].sum()
+        y = torch.randn(4, 3, requires_grad=True)
+        g = ops.gather([y[:2], y[2:]], 0, "cpu")
+        with Truncating():
+            expect(RuntimeError, "were expected", lambda: g.sum().backward())  # GatherBackward scatters
+        with fwAD.dual_level():
+            dual = fwAD.make_dual(torch.randn(4, 3), torch.randn(4, 3))
+            with Truncating():
+                expect(RuntimeError, "were expected", lambda: ops.split_contiguous([dual], 0, [2, 2]))
+        loss.backward()
+        assert torch.equal(x.grad, torch.ones(4, 3))
+    """,
+    "meta_and_cpu_in_one_call": """
+        x, m = torch.arange(6.0).reshape(2, 3), torch.empty(2, 3, device="meta")
+        for path in (ops, reference):
+            expect(ValueError, "move all tensors to one device", lambda: path.transpose01(x, m))
+            expect(ValueError, "move all tensors to one device", lambda: path.split_contiguous([x, m], 0, [1, 1]))
+            expect(NotImplementedError, "meta tensor", lambda: path.gather([x, m], 0, "cpu"))
+            expect(NotImplementedError, "meta tensor", lambda: path.scatter([m], 0, [1, 1], ["cpu", "meta"]))
+        assert ops.gather([x, m], 0, "meta").device.type == "meta"  # to meta is fine: no data is made up
+    """,
+    "scatter_backward_to_cpu_and_meta": """
+        x = torch.randn(4, 3, requires_grad=True)
+        a, b = ops.scatter([x], 0, [2, 2], ["cpu", "meta"])[0]
+        expect(NotImplementedError, "meta tensor", lambda: torch.autograd.grad([a.sum(), b.sum()], [x]))
+    """,
+    "data_parallel_module_returning_meta": """
+        class M(torch.nn.Module):
+            def forward(self, x):
+                return torch.empty(x.shape, device="meta")
+        dp = dpfast.DataParallel(M(), ["cpu"] * 2)
+        expect(NotImplementedError, "meta tensor", lambda: dp(torch.randn(4, 3)))
+    """,
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_case_ends_cleanly(case, tmp_path):
+    code = PRELUDE + textwrap.dedent(CASES[case]) + "\nprint('OK')\n"
+    env = dict(os.environ, PYTHONFAULTHANDLER="1")
+    # from another folder: `python -c` puts its working directory first on sys.path, and dpfast must come from
+    # where the test session's own dpfast comes from (an installed or sanitized build, not the source tree)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [os.path.dirname(os.path.dirname(dpfast.__file__)),
+                                                     env.get("PYTHONPATH", "")] if p)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), (
+        f"exit code {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    )

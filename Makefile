@@ -7,7 +7,7 @@ export TORCH_CUDA_ARCH_LIST ?= 9.0
 export DPFAST_CUDA ?= auto
 PYTEST_ARGS ?=
 
-.PHONY: all venv build test demo bench info clean
+.PHONY: all venv build test sanitize demo bench info clean
 
 all: test
 
@@ -27,6 +27,11 @@ build: venv
 
 test: build
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The CPU extension under AddressSanitizer + UBSan (build/sanitize), the op tests and a seeded fuzzer against it.
+FUZZ_SECONDS ?= 60
+sanitize: venv
+	PY=$(PY) FUZZ_SECONDS=$(FUZZ_SECONDS) bash tests/sanitize.sh
 
 demo: build
 	$(PY) -m dpfast demo

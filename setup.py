@@ -59,7 +59,16 @@ def find_cuda_home() -> tuple[str | None, str]:
     return None, "no CUDA_HOME, no nvcc on PATH, nothing in /usr/local/cuda"
 
 
+# DPFAST_SANITIZE=1 (`make sanitize`): the CPU extension under AddressSanitizer and UBSan, in its own build folder.
+# -fno-wrapv undoes the -fwrapv that Python's own flags add, which would hide signed overflow from UBSan.
+SANITIZE = os.environ.get("DPFAST_SANITIZE", "0") not in ("", "0")
+SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer",
+                  "-fno-wrapv", "-g", "-O1"]
+
+
 def decide_cuda() -> tuple[bool, str]:
+    if SANITIZE:
+        return False, "DPFAST_SANITIZE=1 (CPU kernels under AddressSanitizer and UBSan)"
     mode = os.environ.get("DPFAST_CUDA", "auto").strip().lower()
     if mode not in ("auto", "1", "0"):
         raise SystemExit(f"[dpfast build] DPFAST_CUDA={mode!r} is not one of auto, 1, 0")
@@ -94,10 +103,11 @@ def extension():
     # Only facts that change the object code go into compile flags: a changed flag recompiles every file. The
     # decision's wording goes to a file next to the extension instead.
     define = [("DPFAST_BUILT_WITH_TORCH", f'"{torch_version}"')]
-    with open(os.path.join(here, "dpfast", "_build_reason.txt"), "w") as f:
-        f.write(reason + "\n")
-    cxx = ["-O3", "-fvisibility=hidden"]
-    link = []
+    if not SANITIZE:  # the sanitized build lives beside the normal one and must not rewrite its record
+        with open(os.path.join(here, "dpfast", "_build_reason.txt"), "w") as f:
+            f.write(reason + "\n")
+    cxx = ["-O3", "-fvisibility=hidden"] if not SANITIZE else ["-fvisibility=hidden"] + SANITIZE_FLAGS
+    link = [] if not SANITIZE else ["-fsanitize=address,undefined"]
     if torch.backends.openmp.is_available() and sys.platform.startswith("linux"):
         # at::parallel_for is a header template: without -fopenmp it silently runs on one thread in our code
         cxx.append("-fopenmp")
@@ -130,7 +140,8 @@ def build_ext_class():
 
         def finalize_options(self) -> None:
             super().finalize_options()
-            self.build_temp = os.path.join(os.path.dirname(os.path.abspath(__file__)), "build", "temp")
+            sub = ("sanitize", "temp") if SANITIZE else ("temp",)
+            self.build_temp = os.path.join(os.path.dirname(os.path.abspath(__file__)), "build", *sub)
 
     return PersistentBuild.with_options(use_ninja=True)
 

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# `make sanitize`: the CPU extension built with AddressSanitizer and UBSan (build/sanitize, beside the normal build),
+# then tests/test_ops.py, the argument and memory-safety tests, and the seeded fuzzer (tests/fuzz_ops.py) against
+# it. Any sanitizer report fails the run, and is printed.
+#   FUZZ_SECONDS (default 60) bounds the fuzzer, FUZZ_SEED (default 0) seeds it; PY is the venv's python.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py="$(command -v "${PY:-.venv/bin/python}")"
+py="$(cd "$(dirname "$py")" && pwd)/$(basename "$py")"  # absolute (the venv's link itself, not its target)
+out="$PWD/build/sanitize"
+lib="$out/lib"
+
+echo "[sanitize] building the CPU extension with -fsanitize=address,undefined into $lib"
+DPFAST_SANITIZE=1 DPFAST_CUDA=0 "$py" setup.py -q build_ext --build-lib "$lib" > "$out.build.log" 2>&1 \
+  || { tail -n 40 "$out.build.log"; exit 1; }
+mkdir -p "$lib/dpfast"
+cp dpfast/*.py "$lib/dpfast/"   # the package beside the sanitized _C, so nothing else can be imported instead
+log="$out/run.log"
+: > "$log"
+
+# Uninstrumented code (libtorch, Python) shares the process: leaks and new/delete pairing are theirs, not ours.
+# A huge allocation is a clean error (torch raises), not a report.
+export ASAN_OPTIONS="detect_leaks=0:alloc_dealloc_mismatch=0:allocator_may_return_null=1:halt_on_error=1"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
+# The sanitizer runtime must be the first library loaded, before python's own. Reports go to stderr, kept in $log;
+# the allocator's warning for each refused huge allocation (allocator_may_return_null) is dropped.
+run() {
+  LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)" PYTHONPATH="$lib" "$@" \
+    2>&1 | sed -u '/AddressSanitizer failed to allocate/d' | tee -a "$log"
+}
+loaded=$(cd "$out" && run "$py" -c "import dpfast._C as C; print(C.__file__)")  # not from the source tree
+case "$loaded" in
+  "$lib"/*) echo "[sanitize] testing $loaded" ;;
+  *) echo "[sanitize] the sanitized extension was not the one imported ($loaded)"; exit 1 ;;
+esac
+
+status=0
+# pytest's console script, not `python -m pytest`: that would put the source tree (and its normal build) first;
+# --capture=sys leaves file descriptor 2 alone, so a report from a test that aborts the process is not lost
+run "$(dirname "$py")/pytest" -q -p no:cacheprovider --capture=sys tests/test_ops.py tests/test_op_arguments.py \
+  tests/test_memory_safety.py || status=$?
+run "$py" tests/fuzz_ops.py --seconds "${FUZZ_SECONDS:-60}" --seed "${FUZZ_SEED:-0}" || status=$?
+
+# the tests capture their subprocesses' stderr: a report there fails the test, and shows in its output here
+if grep -E -q "ERROR: AddressSanitizer|runtime error:|SUMMARY: (Address|UndefinedBehavior)Sanitizer" "$log"; then
+  echo "[sanitize] sanitizer reports (full output: $log):"
+  grep -E -A 12 "ERROR: AddressSanitizer|runtime error:" "$log" | head -n 200
+  exit 1
+fi
+[ "$status" = 0 ] && echo "[sanitize] no sanitizer report, all tests and the fuzzer passed"
+exit "$status"

@@ -15,11 +15,10 @@ from dpfast import reference as ref
 
 needs_ext = pytest.mark.skipif(not dpfast.build_info()["extension_loaded"], reason="dpfast._C not built")
 
-huge = torch.zeros(1, dtype=torch.uint8).expand(2**62)
-huge5 = torch.zeros(1, dtype=torch.uint8).expand(2**62 + 5)
 meta = torch.empty(2, 3, device="meta")
 
-# (name, op, args): each row must raise on every path, with one type and one message
+# (name, op, args): each row must raise on every path, with one type and one message. (The sizes that overflow
+# 64 bits are in test_memory_safety.py, in subprocesses: a regression there crashes the process.)
 ERRORS = [
     ("transpose01 1-dim", "transpose01", lambda: (torch.randn(3),)),
     ("transpose01 two devices", "transpose01", lambda: (torch.randn(2, 3), meta)),
@@ -29,7 +28,6 @@ ERRORS = [
     ("split dim low", "split_contiguous", lambda: ([torch.randn(5, 2)], -3, [5])),
     ("split second tensor", "split_contiguous", lambda: ([torch.randn(5, 2), torch.randn(4, 2)], 0, [5])),
     ("split 0-dim", "split_contiguous", lambda: ([torch.tensor(1.0)], 0, [1])),
-    ("split overflow", "split_contiguous", lambda: ([torch.zeros(3)], 0, [2**63 - 1, 2**63 - 1, 5])),
     ("split two devices", "split_contiguous", lambda: ([torch.randn(2, 3), meta], 0, [1, 1])),
     ("scatter sizes vs devices", "scatter", lambda: ([torch.randn(5, 2)], 0, [2, 3], [torch.device("cpu")])),
     ("scatter meta to cpu", "scatter", lambda: ([meta], 0, [1, 1], [torch.device("cpu"), torch.device("meta")])),
@@ -37,8 +35,6 @@ ERRORS = [
     ("gather dtypes", "gather", lambda: ([torch.randn(2, 3), torch.randn(2, 3).double()], 0, torch.device("cpu"))),
     ("gather 0-dim", "gather", lambda: ([torch.randn(2), torch.tensor(1.0)], 0, torch.device("cpu"))),
     ("gather dim", "gather", lambda: ([torch.randn(2, 3)], 2, torch.device("cpu"))),
-    ("gather overflow", "gather", lambda: ([huge, huge, huge, huge5], 0, torch.device("cpu"))),
-    ("gather bytes", "gather", lambda: ([torch.zeros(1, 1).expand(2**60, 2)] * 4, 0, torch.device("cpu"))),
     ("gather meta to cpu", "gather", lambda: ([torch.randn(2, 3), meta], 0, torch.device("cpu"))),
 ]
 

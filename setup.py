@@ -45,7 +45,9 @@ def find_cuda_home() -> tuple[str | None, str]:
         try:  # a wrapper script: nvcc's dry run prints '#$ TOP=<toolkit>/bin/..'
             out = subprocess.run(
                 [nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
-                capture_output=True, text=True, timeout=30,
+                capture_output=True,
+                text=True,
+                timeout=30,
             )
             m = re.search(r"^#\$ TOP=(.+)$", out.stdout + out.stderr, re.M)
             if m:
@@ -62,8 +64,14 @@ def find_cuda_home() -> tuple[str | None, str]:
 # DPFAST_SANITIZE=1 (`make sanitize`): the CPU extension under AddressSanitizer and UBSan, in its own build folder.
 # -fno-wrapv undoes the -fwrapv that Python's own flags add, which would hide signed overflow from UBSan.
 SANITIZE = os.environ.get("DPFAST_SANITIZE", "0") not in ("", "0")
-SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer",
-                  "-fno-wrapv", "-g", "-O1"]
+SANITIZE_FLAGS = [
+    "-fsanitize=address,undefined",
+    "-fno-sanitize-recover=all",
+    "-fno-omit-frame-pointer",
+    "-fno-wrapv",
+    "-g",
+    "-O1",
+]
 
 
 def decide_cuda() -> tuple[bool, str]:
@@ -97,7 +105,9 @@ def extension():
 
     log(f"CUDA kernels: {'ON' if with_cuda else 'OFF'} ({reason})")
     here = os.path.dirname(os.path.abspath(__file__))
-    sources = sorted(glob.glob(os.path.join(here, "csrc", "*.cpp")) + glob.glob(os.path.join(here, "csrc", "cpu", "*.cpp")))
+    sources = sorted(
+        glob.glob(os.path.join(here, "csrc", "*.cpp")) + glob.glob(os.path.join(here, "csrc", "cpu", "*.cpp"))
+    )
     arch_list = ""
     torch_version = torch.__version__.split("+")[0]
     # Only facts that change the object code go into compile flags: a changed flag recompiles every file. The
@@ -113,7 +123,10 @@ def extension():
         cxx.append("-fopenmp")
         link.append("-fopenmp")
     if with_cuda:
-        sources += sorted(glob.glob(os.path.join(here, "csrc", "cuda", "*.cpp")) + glob.glob(os.path.join(here, "csrc", "cuda", "*.cu")))
+        sources += sorted(
+            glob.glob(os.path.join(here, "csrc", "cuda", "*.cpp"))
+            + glob.glob(os.path.join(here, "csrc", "cuda", "*.cu"))
+        )
         arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
         log(f"TORCH_CUDA_ARCH_LIST={arch_list or '(unset: torch picks the visible GPUs or its default list)'}")
         define += [("DPFAST_WITH_CUDA", None), ("DPFAST_CUDA_ARCH_LIST", f'"{arch_list or "torch default"}"')]

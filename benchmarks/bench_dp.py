@@ -181,7 +181,7 @@ def measure(variants: dict, device: torch.device, budget_s: float, rounds: int) 
     names = list(variants)
     samples: dict[str, list[float]] = {k: [] for k in names}
     for r in range(rounds):
-        order = names[r % len(names):] + names[: r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             samples[name].append(timer(variants[name], iters))
     return samples
@@ -199,8 +199,10 @@ def run_batch(batch: int, device: torch.device, budget_s: float, rounds: int, no
     h = tuple(torch.zeros(1, batch, HIDDEN, device=device) for _ in range(2))
 
     plain = build(device)
-    variants = {"plain": make_step(plain, list(plain.parameters()), x, target, h),
-                "halves": halves_step(plain, x, target, h)}
+    variants = {
+        "plain": make_step(plain, list(plain.parameters()), x, target, h),
+        "halves": halves_step(plain, x, target, h),
+    }
     ids = ["cpu"] * 2 if device.type == "cpu" else [device.index or 0] * 2
     dp_model = build(device)
     dp = dpfast.DataParallel(dp_model, ids, in_dims=IN_DIMS, out_dims=OUT_DIMS)
@@ -221,8 +223,13 @@ def run_batch(batch: int, device: torch.device, budget_s: float, rounds: int, no
             label = "torch parts (replicate+scatter+parallel_apply+gather)"
     samples = measure(variants, device, budget_s, rounds)
     times = {k: statistics.median(v) for k, v in samples.items()}
-    row = {"batch": batch, "seconds": times, "dpfast/plain": ratio(samples, "dpfast", "plain"),
-           "halves/plain": ratio(samples, "halves", "plain"), "dpfast/halves": ratio(samples, "dpfast", "halves")}
+    row = {
+        "batch": batch,
+        "seconds": times,
+        "dpfast/plain": ratio(samples, "dpfast", "plain"),
+        "halves/plain": ratio(samples, "halves", "plain"),
+        "dpfast/halves": ratio(samples, "dpfast", "halves"),
+    }
     if "torch" in times:
         row["torch_label"] = label
         row["torch/plain"] = ratio(samples, "torch", "plain")
@@ -282,27 +289,40 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows = [run_batch(b, device, budget, rounds, notes) for b in batches]
 
     names = list(rows[0]["seconds"])
-    ratio_keys = [k for k in ("dpfast/plain", "halves/plain", "dpfast/halves", "torch/plain", "dpfast/torch")
-                  if k in rows[0]]
-    header = f"{'batch':>6} " + " ".join(f"{n + ' ms':>12}" for n in names) + " " + \
-        " ".join(f"{k:>13}" for k in ratio_keys)
-    print(f"seed-000 RRN training step (forward + backward), {device}, 2 replicas on one device, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads")
+    ratio_keys = [
+        k for k in ("dpfast/plain", "halves/plain", "dpfast/halves", "torch/plain", "dpfast/torch") if k in rows[0]
+    ]
+    header = (
+        f"{'batch':>6} " + " ".join(f"{n + ' ms':>12}" for n in names) + " " + " ".join(f"{k:>13}" for k in ratio_keys)
+    )
+    print(
+        f"seed-000 RRN training step (forward + backward), {device}, 2 replicas on one device, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['batch']:>6} " + " ".join(f"{1e3 * r['seconds'][n]:>12.3f}" for n in names) + " " +
-              " ".join(f"{r[k]:>13.3f}" for k in ratio_keys))
+        print(
+            f"{r['batch']:>6} "
+            + " ".join(f"{1e3 * r['seconds'][n]:>12.3f}" for n in names)
+            + " "
+            + " ".join(f"{r[k]:>13.3f}" for k in ratio_keys)
+        )
     for note in notes:
         print("note:", note)
     if "torch_label" in rows[0]:
         print(f"torch = {rows[0]['torch_label']} on the same ids, state kept batch-first (the blog's fix)")
     if device.type == "cpu":
         met = [r["batch"] for r in rows if r["dpfast/plain"] <= 1.3]
-        missed = [f"{r['batch']} ({r['dpfast/plain']:.2f}; halves/plain {r['halves/plain']:.2f})"
-                  for r in rows if r["dpfast/plain"] > 1.3]
-        print(f"target dpfast/plain <= 1.3 (CPU rehearsal): met at batch {met or 'none'}"
-              + (f"; NOT met at {', '.join(missed)}" if missed else ""))
+        missed = [
+            f"{r['batch']} ({r['dpfast/plain']:.2f}; halves/plain {r['halves/plain']:.2f})"
+            for r in rows
+            if r["dpfast/plain"] > 1.3
+        ]
+        print(
+            f"target dpfast/plain <= 1.3 (CPU rehearsal): met at batch {met or 'none'}"
+            + (f"; NOT met at {', '.join(missed)}" if missed else "")
+        )
     if "dpfast/torch" in rows[0]:
         worst_t = max(r["dpfast/torch"] for r in rows)
         print(f"target dpfast/torch <= 0.5 on [0, 0]: worst {worst_t:.3f} -> {'met' if worst_t <= 0.5 else 'NOT met'}")
@@ -312,14 +332,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "benchmark": "bench_dp",
         "command": "python benchmarks/bench_dp.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-                    "torch": torch.__version__, "intra_op_threads": torch.get_num_threads(),
-                    "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "intra_op_threads": torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        },
         "device": str(device),
-        "model": {"class": f"{RRN.__module__}.{RRN.__name__}", "n_facts": N_FACTS, "dim_hidden": HIDDEN,
-                  "message_dim": MESSAGE, "f_dims": F_DIMS, "o_dims": O_DIMS, "classes": CLASSES},
+        "model": {
+            "class": f"{RRN.__module__}.{RRN.__name__}",
+            "n_facts": N_FACTS,
+            "dim_hidden": HIDDEN,
+            "message_dim": MESSAGE,
+            "f_dims": F_DIMS,
+            "o_dims": O_DIMS,
+            "classes": CLASSES,
+        },
         "method": f"{rounds} interleaved rounds, {budget:.0f} s budget per batch size; times: medians, ratios: "
-                  "medians of per-round ratios",
+        "medians of per-round ratios",
         "notes": notes,
         "rows": rows,
         "wall_s": round(time.perf_counter() - t0, 1),
@@ -328,8 +360,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
     png = plot(rows, str(device), os.path.join(args.out, "bench_dp.png"))
-    print(f"wrote {path}" + (f" and {png}" if png else " (matplotlib not found: no plot)") +
-          f" in {result['wall_s']} s")
+    print(
+        f"wrote {path}" + (f" and {png}" if png else " (matplotlib not found: no plot)") + f" in {result['wall_s']} s"
+    )
     return 0
 
 

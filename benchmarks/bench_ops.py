@@ -28,6 +28,7 @@ from dpfast import ops  # noqa: E402
 
 def _timer(device: str) -> Callable[[Callable[[], object], int], float]:
     if device == "cuda":
+
         def run(fn, iters):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -37,16 +38,19 @@ def _timer(device: str) -> Callable[[Callable[[], object], int], float]:
             end.synchronize()
             return start.elapsed_time(end) / 1e3 / iters
     else:
+
         def run(fn, iters):
             t = time.perf_counter()
             for _ in range(iters):
                 fn()
             return (time.perf_counter() - t) / iters
+
     return run
 
 
-def measure(variants: dict[str, Callable[[], object]], device: str, budget_s: float,
-            rounds: int) -> dict[str, list[float]]:
+def measure(
+    variants: dict[str, Callable[[], object]], device: str, budget_s: float, rounds: int
+) -> dict[str, list[float]]:
     """Seconds per call of each variant in every round; variants alternate within a round, so a round's variants
     share the machine's state and their ratio is meaningful even when the machine's speed drifts."""
     timer = _timer(device)
@@ -74,26 +78,41 @@ def cases(device: str, quick: bool):
         h = torch.randn(2, B, H, device=device)
         c = torch.randn(2, B, H, device=device)
         nbytes = 2 * h.numel() * h.element_size()
-        yield "transpose01(h, c)", f"2x(2,{B},{H})", nbytes, {
-            "dpfast": lambda h=h, c=c: ops.transpose01(h, c),
-            "torch": lambda h=h, c=c: [x.permute(1, 0, 2).contiguous() for x in (h, c)],
-            "clone": lambda h=h, c=c: (h.clone(), c.clone()),
-        }
-    for rows in ([256, 4096, 32768] if quick else [64, 256, 1024, 4096, 16384, 65536]):
+        yield (
+            "transpose01(h, c)",
+            f"2x(2,{B},{H})",
+            nbytes,
+            {
+                "dpfast": lambda h=h, c=c: ops.transpose01(h, c),
+                "torch": lambda h=h, c=c: [x.permute(1, 0, 2).contiguous() for x in (h, c)],
+                "clone": lambda h=h, c=c: (h.clone(), c.clone()),
+            },
+        )
+    for rows in [256, 4096, 32768] if quick else [64, 256, 1024, 4096, 16384, 65536]:
         x = torch.randn(rows, 1024, device=device)
         sizes = [256, 256, 256, 256]
         nbytes = x.numel() * x.element_size()
-        yield "split_contiguous(dim=1, 4 parts)", f"({rows},1024)", nbytes, {
-            "dpfast": lambda x=x: ops.split_contiguous([x], 1, sizes),
-            "torch": lambda x=x: [p.contiguous() for p in torch.split(x, sizes, 1)],
-            "clone": lambda x=x: x.clone(),
-        }
+        yield (
+            "split_contiguous(dim=1, 4 parts)",
+            f"({rows},1024)",
+            nbytes,
+            {
+                "dpfast": lambda x=x: ops.split_contiguous([x], 1, sizes),
+                "torch": lambda x=x: [p.contiguous() for p in torch.split(x, sizes, 1)],
+                "clone": lambda x=x: x.clone(),
+            },
+        )
         parts = [p.contiguous() for p in torch.split(x, sizes, 1)]
-        yield "gather(dim=1, 4 parts)", f"({rows},1024)", nbytes, {
-            "dpfast": lambda parts=parts: ops.gather(parts, 1, device),
-            "torch": lambda parts=parts: torch.cat(parts, 1),
-            "clone": lambda x=x: x.clone(),
-        }
+        yield (
+            "gather(dim=1, 4 parts)",
+            f"({rows},1024)",
+            nbytes,
+            {
+                "dpfast": lambda parts=parts: ops.gather(parts, 1, device),
+                "torch": lambda parts=parts: torch.cat(parts, 1),
+                "clone": lambda x=x: x.clone(),
+            },
+        )
 
 
 _PY_OP = None
@@ -103,6 +122,7 @@ def _python_registered_op():
     """The same kernel behind an op registered from Python (torch.library.custom_op), registered once."""
     global _PY_OP
     if _PY_OP is None:
+
         @torch.library.custom_op("dpfast_bench::transpose01_py", mutates_args=())
         def transpose01_py(xs: list[torch.Tensor]) -> list[torch.Tensor]:
             return list(ops.transpose01(*xs))
@@ -139,8 +159,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     budget = args.budget or (0.15 if args.quick else 0.8)
     rows = []
-    header = f"{'op':34} {'shape':>18} {'MB':>9} {'dpfast us':>10} {'torch us':>10} {'clone us':>10} " \
-             f"{'GB/s':>7} {'/clone':>7} {'/torch':>7}"
+    header = (
+        f"{'op':34} {'shape':>18} {'MB':>9} {'dpfast us':>10} {'torch us':>10} {'clone us':>10} "
+        f"{'GB/s':>7} {'/clone':>7} {'/torch':>7}"
+    )
     print(f"dpfast bench_ops on {args.device}; torch {torch.__version__}; threads {torch.get_num_threads()}")
     print(header)
     print("-" * len(header))
@@ -148,25 +170,36 @@ def main(argv: list[str] | None = None) -> dict:
         samples = measure(variants, args.device, budget, rounds=7 if args.quick else 15)
         t = {k: statistics.median(v) for k, v in samples.items()}
         row = {
-            "op": op, "shape": label, "bytes": nbytes,
+            "op": op,
+            "shape": label,
+            "bytes": nbytes,
             "seconds": t,
             "gbps": {k: 2 * nbytes / v / 1e9 for k, v in t.items()},  # read + write
             "ratio_vs_clone": ratio(samples, "dpfast", "clone"),
             "ratio_vs_torch": ratio(samples, "dpfast", "torch"),
         }
         rows.append(row)
-        print(f"{op:34} {label:>18} {nbytes / 1e6:9.3f} {t['dpfast'] * 1e6:10.1f} {t['torch'] * 1e6:10.1f} "
-              f"{t['clone'] * 1e6:10.1f} {row['gbps']['dpfast']:7.2f} {row['ratio_vs_clone']:7.2f} "
-              f"{row['ratio_vs_torch']:7.2f}")
+        print(
+            f"{op:34} {label:>18} {nbytes / 1e6:9.3f} {t['dpfast'] * 1e6:10.1f} {t['torch'] * 1e6:10.1f} "
+            f"{t['clone'] * 1e6:10.1f} {row['gbps']['dpfast']:7.2f} {row['ratio_vs_clone']:7.2f} "
+            f"{row['ratio_vs_torch']:7.2f}"
+        )
     overhead = call_overhead(args.device, budget)
     print("\ncall path: transpose01 of a tiny (h, c), 2x(2,1,4)")
     for name, sec in overhead.items():
         print(f"  {name:40} {sec * 1e6:7.2f} us")
     result = {
-        "bench": "ops", "device": args.device, "call_overhead_seconds": overhead,
-        "device_name": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine(),
-        "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "build_info": dpfast.build_info(), "rows": rows,
+        "bench": "ops",
+        "device": args.device,
+        "call_overhead_seconds": overhead,
+        "device_name": torch.cuda.get_device_name()
+        if args.device == "cuda"
+        else platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "build_info": dpfast.build_info(),
+        "rows": rows,
     }
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"bench_ops_{args.device}.json")

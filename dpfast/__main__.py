@@ -123,7 +123,9 @@ def info(as_json: bool = False) -> int:
     print("dpfast", facts.get("dpfast_version"), f"({Path(dpfast.__file__).resolve().parent})")
     print()
     print("torch")
-    print(f"  version            {facts['torch_version']} (CUDA build: {facts['torch_cuda_version'] or 'no, CPU-only'})")
+    print(
+        f"  version            {facts['torch_version']} (CUDA build: {facts['torch_cuda_version'] or 'no, CPU-only'})"
+    )
     print(f"  intra-op threads   {torch.get_num_threads()} (CPU cores: {os.cpu_count()})")
     print(f"  CUDA available     {yes(facts['cuda_available'])}")
 
@@ -135,8 +137,11 @@ def info(as_json: bool = False) -> int:
     for i in range(n):
         p = torch.cuda.get_device_properties(i)
         covered = _covers(arch_list, p.major, p.minor) if facts["cuda_kernels_compiled"] else False
-        note = {True: "dpfast CUDA kernels: compiled for it", False: "dpfast CUDA kernels: NOT compiled for it",
-                None: "dpfast CUDA kernels: arch list unknown"}[covered]
+        note = {
+            True: "dpfast CUDA kernels: compiled for it",
+            False: "dpfast CUDA kernels: NOT compiled for it",
+            None: "dpfast CUDA kernels: arch list unknown",
+        }[covered]
         print(f"  cuda:{i}             {p.name}, sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB; {note}")
     if n == 0:
         why = "torch is a CPU-only build" if not facts["torch_cuda_version"] else "no GPU visible"
@@ -151,11 +156,18 @@ def info(as_json: bool = False) -> int:
         print("  to fix             pip install --no-build-isolation -e .   (or: make build)")
     else:
         built = facts.get("built_with_torch")
-        print(f"  built with torch   {built}"
-              + ("" if not built or facts["torch_version"].startswith(str(built)) else
-                 f"  <- differs from the running torch {facts['torch_version']}: rebuild"))
-        print(f"  CUDA kernels       {'compiled' if facts['cuda_kernels_compiled'] else 'not compiled'}"
-              + (f" for arch {arch_list}" if facts["cuda_kernels_compiled"] and arch_list else ""))
+        print(
+            f"  built with torch   {built}"
+            + (
+                ""
+                if not built or facts["torch_version"].startswith(str(built))
+                else f"  <- differs from the running torch {facts['torch_version']}: rebuild"
+            )
+        )
+        print(
+            f"  CUDA kernels       {'compiled' if facts['cuda_kernels_compiled'] else 'not compiled'}"
+            + (f" for arch {arch_list}" if facts["cuda_kernels_compiled"] and arch_list else "")
+        )
         print(f"  build decision     {facts.get('build_reason') or 'not recorded'}")
         print("  kernels registered " + _registered_kernels(torch))
     print(f"  ops backend        {facts['ops_backend']}")
@@ -220,9 +232,12 @@ def bench(which: str = "all", argv: Sequence[str] = ()) -> int:
     for key, filename in chosen:
         path = BENCHMARKS_DIR / filename
         if not path.is_file():
-            where = ("" if (SOURCE_ROOT / "setup.py").is_file() else
-                     "; the benchmarks live in dpfast's source tree, so run from a git checkout installed with "
-                     "`pip install -e .`")
+            where = (
+                ""
+                if (SOURCE_ROOT / "setup.py").is_file()
+                else "; the benchmarks live in dpfast's source tree, so run from a git checkout installed with "
+                "`pip install -e .`"
+            )
             print(f"dpfast bench: {path} not found, skipping benchmarks/{filename}{where}", file=sys.stderr)
             code = code or 1
             continue
@@ -255,28 +270,47 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="{info,demo,bench}")
     sub.required = True
 
-    p = sub.add_parser("info", help="torch/CUDA/build facts, visible devices, what was compiled and why",
-                       description="Print torch and CUDA versions, visible devices, whether dpfast._C loaded, which "
-                                   "kernels were compiled and why (dpfast.build_info()).")
+    p = sub.add_parser(
+        "info",
+        help="torch/CUDA/build facts, visible devices, what was compiled and why",
+        description="Print torch and CUDA versions, visible devices, whether dpfast._C loaded, which "
+        "kernels were compiled and why (dpfast.build_info()).",
+    )
     p.add_argument("--json", action="store_true", help="print dpfast.build_info() as JSON")
 
-    p = sub.add_parser("demo", help="run the two seed models under dpfast (exit 1 if a check fails)",
-                       description="Run the examples: " + "; ".join(f"{n}.py ({w})" for n, w in EXAMPLES)
-                                   + ". Each prints the ScatterError without the spec, the plan with it, the loss "
-                                     "per training step, and a float64 check against the unwrapped model.")
-    p.add_argument("--devices", default="auto",
-                   help="'auto' (every GPU if 2+; a 4-replica rehearsal on cuda:0 with one GPU; a 4-replica CPU "
-                        "rehearsal without a GPU), 'cpu:N', 'cuda', or ids such as '0,1' (default: %(default)s)")
-    p.add_argument("--only", action="append", choices=[n for n, _ in EXAMPLES],
-                   help="run only this example (repeatable)")
+    p = sub.add_parser(
+        "demo",
+        help="run the two seed models under dpfast (exit 1 if a check fails)",
+        description="Run the examples: "
+        + "; ".join(f"{n}.py ({w})" for n, w in EXAMPLES)
+        + ". Each prints the ScatterError without the spec, the plan with it, the loss "
+        "per training step, and a float64 check against the unwrapped model.",
+    )
+    p.add_argument(
+        "--devices",
+        default="auto",
+        help="'auto' (every GPU if 2+; a 4-replica rehearsal on cuda:0 with one GPU; a 4-replica CPU "
+        "rehearsal without a GPU), 'cpu:N', 'cuda', or ids such as '0,1' (default: %(default)s)",
+    )
+    p.add_argument(
+        "--only", action="append", choices=[n for n, _ in EXAMPLES], help="run only this example (repeatable)"
+    )
     p.add_argument("--quiet", action="store_true", help="one line per example")
 
-    p = sub.add_parser("bench", help="run benchmarks/bench_ops.py and benchmarks/bench_dp.py",
-                       description="Run benchmarks/bench_ops.py and benchmarks/bench_dp.py (or one of them); any "
-                                   "further arguments are passed to each script's main(argv), e.g. "
-                                   "`python -m dpfast bench ops --help`.")
-    p.add_argument("which", nargs="?", choices=["all", "ops", "dp"], default="all",
-                   help="which benchmark to run (default: %(default)s)")
+    p = sub.add_parser(
+        "bench",
+        help="run benchmarks/bench_ops.py and benchmarks/bench_dp.py",
+        description="Run benchmarks/bench_ops.py and benchmarks/bench_dp.py (or one of them); any "
+        "further arguments are passed to each script's main(argv), e.g. "
+        "`python -m dpfast bench ops --help`.",
+    )
+    p.add_argument(
+        "which",
+        nargs="?",
+        choices=["all", "ops", "dp"],
+        default="all",
+        help="which benchmark to run (default: %(default)s)",
+    )
     return parser
 
 

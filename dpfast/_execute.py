@@ -104,7 +104,9 @@ def _wrap(exc: BaseException, index: int, device: torch.device, n_failed: int) -
 
 
 def run_replicas(
-    modules: Sequence[nn.Module], inputs: Sequence[tuple[tuple, dict]], devices: Sequence[torch.device],
+    modules: Sequence[nn.Module],
+    inputs: Sequence[tuple[tuple, dict]],
+    devices: Sequence[torch.device],
     pool: Optional["_Pool"] = None,
 ) -> list[Any]:
     """``modules[i](*inputs[i][0], **inputs[i][1])`` for every ``i``, concurrently; results in replica order."""

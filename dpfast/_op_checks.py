@@ -63,8 +63,9 @@ def as_sizes(op: str, sizes: Any) -> list[int]:
     """A list of int chunk sizes from any iterable of ints (a list, a tuple, a range, numpy ints)."""
     if isinstance(sizes, (str, bytes, Tensor)) or not hasattr(sizes, "__iter__"):
         raise TypeError(f"{op}: sizes is {type(sizes).__name__} {sizes!r}; give a list of ints, one per chunk")
-    out = [s if type(s) is int else _index(s, op, f"sizes[{j}]", "chunk sizes must be ints")
-           for j, s in enumerate(sizes)]
+    out = [
+        s if type(s) is int else _index(s, op, f"sizes[{j}]", "chunk sizes must be ints") for j, s in enumerate(sizes)
+    ]
     for j, s in enumerate(out):
         if not INT64_MIN <= s <= INT64_MAX:
             raise ValueError(f"{op}: sizes[{j}] is {s}, which does not fit in 64 bits; chunk sizes are 64-bit ints")
@@ -91,8 +92,10 @@ def wrap_dim(op: str, what: str, i: int, x: Tensor, dim: int) -> int:
     torch._check_value(n > 0, lambda: f"{op}: {what}[{i}] is 0-dim; it has no dim {dim} to split or join")
     torch._check_index(
         -n <= dim < n,
-        lambda: f"{op}: dim {dim} is out of range for {what}[{i}] of shape {tuple(x.shape)} (expected a dim in "
-        f"[{-n}, {n - 1}])",
+        lambda: (
+            f"{op}: dim {dim} is out of range for {what}[{i}] of shape {tuple(x.shape)} (expected a dim in "
+            f"[{-n}, {n - 1}])"
+        ),
     )
     return dim + n if dim < 0 else dim
 
@@ -102,8 +105,10 @@ def check_transpose01(xs: Sequence[Tensor]) -> None:
     for i, x in enumerate(xs):
         torch._check_value(
             x.dim() >= 2,
-            lambda: f"transpose01: tensors[{i}] has shape {tuple(x.shape)} ({x.dim()} dims); every tensor needs at "
-            "least 2 dims to swap dims 0 and 1",
+            lambda: (
+                f"transpose01: tensors[{i}] has shape {tuple(x.shape)} ({x.dim()} dims); every tensor needs at "
+                "least 2 dims to swap dims 0 and 1"
+            ),
         )
 
 
@@ -120,8 +125,10 @@ def check_split(op: str, xs: Sequence[Tensor], dim: int, sizes: Sequence[int]) -
         d = wrap_dim(op, "tensors", i, x, dim)
         torch._check_value(
             total == x.shape[d],
-            lambda: f"{op}: sizes {list(sizes)} sum to {total} but tensors[{i}] has size {x.shape[d]} along dim "
-            f"{dim} (shape {tuple(x.shape)}); the sizes must sum to that axis",
+            lambda: (
+                f"{op}: sizes {list(sizes)} sum to {total} but tensors[{i}] has size {x.shape[d]} along dim "
+                f"{dim} (shape {tuple(x.shape)}); the sizes must sum to that axis"
+            ),
         )
         dims.append(d)
     return dims
@@ -129,9 +136,7 @@ def check_split(op: str, xs: Sequence[Tensor], dim: int, sizes: Sequence[int]) -
 
 def check_scatter(sizes: Sequence[int], devices: Sequence[torch.device]) -> None:
     if len(sizes) != len(devices):
-        raise ValueError(
-            f"scatter: got {len(sizes)} sizes but {len(devices)} devices; give one device per chunk size"
-        )
+        raise ValueError(f"scatter: got {len(sizes)} sizes but {len(devices)} devices; give one device per chunk size")
 
 
 def check_gather(chunks: Sequence[Tensor], dim: int) -> tuple[int, list]:
@@ -145,13 +150,17 @@ def check_gather(chunks: Sequence[Tensor], dim: int) -> tuple[int, list]:
     shape[d] = 0
     for i, c in enumerate(chunks):
         wrap_dim(op, "chunks", i, c, dim)
-        same = c.dim() == ref.dim() and c.dtype == ref.dtype and all(
-            k == d or a == b for k, (a, b) in enumerate(zip(c.shape, ref.shape))
+        same = (
+            c.dim() == ref.dim()
+            and c.dtype == ref.dtype
+            and all(k == d or a == b for k, (a, b) in enumerate(zip(c.shape, ref.shape)))
         )
         torch._check_value(
             same,
-            lambda: f"gather: chunks[{i}] has shape {tuple(c.shape)} and dtype {c.dtype} but chunks[0] has "
-            f"{tuple(ref.shape)} and {ref.dtype}; chunks must agree in dtype and in every dim except {dim}",
+            lambda: (
+                f"gather: chunks[{i}] has shape {tuple(c.shape)} and dtype {c.dtype} but chunks[0] has "
+                f"{tuple(ref.shape)} and {ref.dtype}; chunks must agree in dtype and in every dim except {dim}"
+            ),
         )
         shape[d] = shape[d] + c.shape[d]
         if isinstance(shape[d], int) and shape[d] > INT64_MAX:

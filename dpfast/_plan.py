@@ -206,8 +206,11 @@ def _scatter_message(tree, specs, mapped, bad, batch) -> str:
             elif m.is_packed:
                 note += "; a PackedSequence is split by sequence: give it None to replicate it"
             else:
-                note += f"; no axis has size {batch}: replicate it with None" if batch is not None else \
-                    "; replicate it with None"
+                note += (
+                    f"; no axis has size {batch}: replicate it with None"
+                    if batch is not None
+                    else "; replicate it with None"
+                )
             note = "<- " + note
         axis = "seq" if m.is_packed else ("-" if m.axis is None else str(m.axis))
         size = "-" if m.size is None else str(m.size)
@@ -237,9 +240,13 @@ def _scatter_message(tree, specs, mapped, bad, batch) -> str:
                 if tree.arg_names[a] == name:
                     extra[a - len(specs.pos_names)] = spec_tree_repr(
                         tree.arg_defs[a],
-                        [_suggest_axis(mapped_by_leaf[id(lf)], batch)
-                         if id(lf) in mapped_by_leaf and id(mapped_by_leaf[id(lf)]) in bad_ids else _kept_spec(lf)
-                         for lf, ar in zip(tree.leaves, tree.leaf_arg) if ar == a],
+                        [
+                            _suggest_axis(mapped_by_leaf[id(lf)], batch)
+                            if id(lf) in mapped_by_leaf and id(mapped_by_leaf[id(lf)]) in bad_ids
+                            else _kept_spec(lf)
+                            for lf, ar in zip(tree.leaves, tree.leaf_arg)
+                            if ar == a
+                        ],
                     )
             merged[name] = tuple(extra)
         else:

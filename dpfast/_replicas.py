@@ -79,8 +79,9 @@ def _check_copyable(source: torch.device, targets: Sequence[torch.device]) -> No
         )
 
 
-def _broadcast(tensors: Sequence[torch.Tensor], source: torch.device, targets: Sequence[torch.device],
-               detach: bool) -> list[list[torch.Tensor]]:
+def _broadcast(
+    tensors: Sequence[torch.Tensor], source: torch.device, targets: Sequence[torch.device], detach: bool
+) -> list[list[torch.Tensor]]:
     """A copy of every tensor per target device, ``[target][tensor]``; autograd-connected unless ``detach``."""
     if not tensors:
         return [[] for _ in targets]
@@ -112,8 +113,7 @@ class _ReplicaSet:
         self.targets = list(targets)
         modules = list(root.modules())
         self.modules = modules
-        self.snapshots = [(m.__dict__.copy(), dict(m._parameters), dict(m._buffers), dict(m._modules))
-                          for m in modules]
+        self.snapshots = [(m.__dict__.copy(), dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in modules]
         index = {id(m): i for i, m in enumerate(modules)}
         copies = [[m._replicate_for_data_parallel() for m in modules] for _ in self.targets]
         params = list(root.parameters())  # deduplicated: a tied parameter is broadcast once, as in torch
@@ -153,8 +153,7 @@ class _ReplicaSet:
         if modules[0] is not root:
             return False
         for m, (d, p, b, c) in zip(modules, self.snapshots):
-            if not (_same(m.__dict__, d) and _same(m._parameters, p) and _same(m._buffers, b)
-                    and _same(m._modules, c)):
+            if not (_same(m.__dict__, d) and _same(m._parameters, p) and _same(m._buffers, b) and _same(m._modules, c)):
                 return False
         return True
 
@@ -248,8 +247,9 @@ class ReplicaCache:
         with self._lock:
             self._sets.clear()
 
-    def replicate(self, module: nn.Module, source: torch.device, devices: Sequence[torch.device]
-                  ) -> tuple[list[nn.Module], Callable[[], None]]:
+    def replicate(
+        self, module: nn.Module, source: torch.device, devices: Sequence[torch.device]
+    ) -> tuple[list[nn.Module], Callable[[], None]]:
         """``(modules, done)``: one module per entry of ``devices`` (``module`` itself on ``source``) and a function
         to call when the step's forward has run (it frees the step's copies and lets the next step reuse them)."""
         slot_of, targets = _targets(source, devices)

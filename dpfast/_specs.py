@@ -46,7 +46,12 @@ class TreeDef:
     __slots__ = ("kind", "meta", "keys", "children", "orig", "orig_values")
 
     def __init__(
-        self, kind: str, meta: Any = None, keys: tuple = (), children: tuple = (), orig: Any = None,
+        self,
+        kind: str,
+        meta: Any = None,
+        keys: tuple = (),
+        children: tuple = (),
+        orig: Any = None,
         orig_values: tuple = (),
     ):
         self.kind = kind  # "leaf" | "tuple" | "list" | "dict" | "namedtuple" | "dataclass"
@@ -74,8 +79,10 @@ class TreeDef:
             return f"a {self.meta.__name__} of length {len(self.keys)}"
         if self.kind == "dict":
             return f"a dict with keys {list(self.keys)!r}"
-        return f"a {self.meta.__name__ if self.kind == 'namedtuple' else type(self.meta).__name__} " \
+        return (
+            f"a {self.meta.__name__ if self.kind == 'namedtuple' else type(self.meta).__name__} "
             f"with fields {list(self.keys)!r}"
+        )
 
 
 LEAF = TreeDef("leaf")
@@ -291,10 +298,15 @@ def match_spec(
         keys, values = children_of(value, kind)
         meta = value if kind == "dataclass" else type(value)
         return TreeDef(
-            kind, meta, keys,
-            tuple(match_spec(v, spec, child_path(path, kind, k), default, explicit, what, out)
-                  for k, v in zip(keys, values)),
-            value, values,
+            kind,
+            meta,
+            keys,
+            tuple(
+                match_spec(v, spec, child_path(path, kind, k), default, explicit, what, out)
+                for k, v in zip(keys, values)
+            ),
+            value,
+            values,
         )
     # a container spec: the value must be a container of the matching shape
     if _is_dataclass_instance(spec):
@@ -328,8 +340,7 @@ def match_spec(
         unknown = [k for k in spec if k not in keys]
         if unknown:
             raise ValueError(
-                f"{what} for `{path}` names {unknown!r}, which `{path}` does not have; it is "
-                f"{describe_value(value)}"
+                f"{what} for `{path}` names {unknown!r}, which `{path}` does not have; it is {describe_value(value)}"
             )
         specs = [spec[k] if k in spec else _DEFAULT for k in keys]
     else:  # pragma: no cover - validate_spec rejects everything else at construction
@@ -540,7 +551,7 @@ class ArgumentTree:
         """The call's ``(args, kwargs)`` with the leaves replaced by ``new_leaves`` (same order)."""
         it = iter(new_leaves)
         values = [_unflatten(d, it) for d in self.arg_defs]
-        return tuple(values[: self.n_args]), dict(zip(self.kw_keys, values[self.n_args:]))
+        return tuple(values[: self.n_args]), dict(zip(self.kw_keys, values[self.n_args :]))
 
 
 def spec_tree_repr(tdef: TreeDef, specs: Iterable[Spec]) -> Spec:
@@ -558,4 +569,3 @@ def _spec_tree(tdef: TreeDef, it) -> Spec:
     if tdef.kind in ("dict", "dataclass"):
         return dict(zip(tdef.keys, children))
     return tuple(children)
-

@@ -40,9 +40,7 @@ def _device(d: DeviceLike, what: str) -> torch.device:
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         if dev.index >= torch.cuda.device_count():
-            raise ValueError(
-                f"{what} is {d!r} but only {torch.cuda.device_count()} CUDA device(s) are visible"
-            )
+            raise ValueError(f"{what} is {d!r} but only {torch.cuda.device_count()} CUDA device(s) are visible")
     elif dev.type == "cpu":
         dev = torch.device("cpu")  # 'cpu:0' is the CPU: its tensors report device('cpu'), so compare to that
     else:
@@ -226,8 +224,7 @@ class DataParallel(nn.Module):
         if len(self._devices) == 1:  # nothing is split (see forward): B is informative only
             batch = choose_batch(mapped)
             rows = plan_rows(tree, mapped, [batch or 0], single=True)
-            return Plan("single", batch, self._devices, [batch or 0], self._output_device, rows,
-                        reason="one device")
+            return Plan("single", batch, self._devices, [batch or 0], self._output_device, rows, reason="one device")
         batch = check_batch(tree, self._specs, mapped)
         if not batch:
             rows = plan_rows(tree, mapped, [batch or 0], single=True)

@@ -101,8 +101,15 @@ class Share(NamedTuple):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _take(tree: ArgumentTree, mapped: Sequence[Mapped], start: int, length: int, sizes: Sequence[int],
-          index: int, subs: Optional[dict] = None) -> tuple[tuple, dict]:
+def _take(
+    tree: ArgumentTree,
+    mapped: Sequence[Mapped],
+    start: int,
+    length: int,
+    sizes: Sequence[int],
+    index: int,
+    subs: Optional[dict] = None,
+) -> tuple[tuple, dict]:
     """The call's ``(args, kwargs)`` with every mapped leaf cut to rows ``start:start+length`` along its axis.
 
     Tensors are narrowed (a view when the axis is 0, else made contiguous); PackedSequences are split by sequence in
@@ -148,8 +155,13 @@ def _rank_world(rank: Optional[int], world_size: Optional[int], group=None) -> t
     return rank, world_size
 
 
-def shard_range(n: int, rank: Optional[int] = None, world_size: Optional[int] = None, *,
-                chunk_sizes: Optional[Sequence[float]] = None) -> range:
+def shard_range(
+    n: int,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    *,
+    chunk_sizes: Optional[Sequence[float]] = None,
+) -> range:
     """The indices ``range(start, stop)`` of ``n`` items that ``rank`` owns: the same contiguous, as-even-as-possible
     split (earlier ranks take the remainder, ``chunk_sizes`` weights ranks) that :class:`DistributedDataParallel`
     and ``DataParallel`` use. Nothing is dropped or repeated: the ranges of all ranks partition ``range(n)``."""
@@ -159,8 +171,13 @@ def shard_range(n: int, rank: Optional[int] = None, world_size: Optional[int] = 
     return range(start, start + sizes[rank])
 
 
-def shard_dataset(dataset, rank: Optional[int] = None, world_size: Optional[int] = None, *,
-                  chunk_sizes: Optional[Sequence[float]] = None) -> torch.utils.data.Subset:
+def shard_dataset(
+    dataset,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    *,
+    chunk_sizes: Optional[Sequence[float]] = None,
+) -> torch.utils.data.Subset:
     """``rank``'s contiguous share of a map-style dataset, as a :class:`torch.utils.data.Subset` (see
     :func:`shard_range`). For per-rank loading: every rank must still run the same number of steps (DDP's gradient
     all-reduce is a collective), so with uneven shares use equal step counts or ``torch.utils.data.DistributedSampler``
@@ -172,8 +189,15 @@ def _one_batch(batch):  # the signature shard_batch binds its in_dims to
     return batch
 
 
-def shard_batch(batch: Any, rank: Optional[int] = None, world_size: Optional[int] = None, *, in_dims: Spec = None,
-                dim: int = 0, chunk_sizes: Optional[Sequence[float]] = None) -> Any:
+def shard_batch(
+    batch: Any,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    *,
+    in_dims: Spec = None,
+    dim: int = 0,
+    chunk_sizes: Optional[Sequence[float]] = None,
+) -> Any:
     """``rank``'s share of one global ``batch`` (a tensor or any tuple/list/dict/namedtuple/dataclass tree of them),
     cut exactly as :class:`DistributedDataParallel` cuts its inputs.
 
@@ -256,8 +280,12 @@ class _AverageInputGrads(torch.autograd.Function):
         for i, (shape, dtype, device) in enumerate(ctx.meta):
             by_dtype.setdefault(dtype, []).append(i)
         for dtype, idx in by_dtype.items():
-            flat = [(grads[i] if grads[i] is not None else torch.zeros(ctx.meta[i][0], dtype=dtype))
-                    .reshape(-1).to(ctx.comm_device) for i in idx]
+            flat = [
+                (grads[i] if grads[i] is not None else torch.zeros(ctx.meta[i][0], dtype=dtype))
+                .reshape(-1)
+                .to(ctx.comm_device)
+                for i in idx
+            ]
             buf = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
             if buf.numel():
                 dist.all_reduce(buf, group=ctx.group)
@@ -266,7 +294,7 @@ class _AverageInputGrads(torch.autograd.Function):
             for i in idx:
                 shape, _, device = ctx.meta[i]
                 n = math.prod(shape)
-                out[i] = buf[o: o + n].view(shape).to(device)
+                out[i] = buf[o : o + n].view(shape).to(device)
                 o += n
         return (None, None, None) + tuple(out)
 
@@ -330,7 +358,7 @@ class _ExchangePlan:
             for r in range(self.world):
                 n = self.rows[i][r] * row_numel[i]
                 if self.rows[i][r]:
-                    pieces.append(bufs[r][offs[r]: offs[r] + n].view((self.rows[i][r],) + tuple(m.shape[1:])))
+                    pieces.append(bufs[r][offs[r] : offs[r] + n].view((self.rows[i][r],) + tuple(m.shape[1:])))
                 offs[r] += n
             full = torch.cat(pieces, 0) if pieces else m.new_empty((0,) + tuple(m.shape[1:]))
             full = full.to(self.devices[i])
@@ -347,7 +375,7 @@ class _ExchangePlan:
         o = 0
         for i in red:
             n = math.prod(self.shapes[i])
-            outs[i] = buf[o: o + n].view(self.shapes[i]).to(self.devices[i])
+            outs[i] = buf[o : o + n].view(self.shapes[i]).to(self.devices[i])
             o += n
 
     # backward -----------------------------------------------------------------------------------------------
@@ -368,7 +396,7 @@ class _ExchangePlan:
             o = 0
             for i in idx:
                 n = grads[i].numel()
-                g = buf[o: o + n].view(grads[i].shape).to(self.devices[i])
+                g = buf[o : o + n].view(grads[i].shape).to(self.devices[i])
                 o += n
                 if self.kinds[i] == "red":
                     w = self.weights[i]
@@ -530,8 +558,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         leaves = [leaf for leaf in tree.leaves if isinstance(leaf.value, Tensor) and leaf.value.requires_grad]
         if not leaves:
             return {}
-        views = _AverageInputGrads.apply(self.process_group, self._world, self._comm_device,
-                                         *[leaf.value for leaf in leaves])
+        views = _AverageInputGrads.apply(
+            self.process_group, self._world, self._comm_device, *[leaf.value for leaf in leaves]
+        )
         return {id(leaf): v for leaf, v in zip(leaves, views)}
 
     def _run_ddp_forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -548,8 +577,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         ghost_sizes = [1] + [0] * (len(sizes) - 1)
         args, kw = _take(tree, mapped, 0, 1, ghost_sizes, 0, subs)
         if self.device_ids:  # as DDP's pre-forward moves inputs
-            moved_args, moved_kw = _to_kwargs(args, kw, torch.device(self.device_type, self.device_ids[0]),
-                                              self.use_side_stream_for_tensor_copies)
+            moved_args, moved_kw = _to_kwargs(
+                args, kw, torch.device(self.device_type, self.device_ids[0]), self.use_side_stream_for_tensor_copies
+            )
             args, kw = moved_args[0], moved_kw[0]
         out = super()._run_ddp_forward(*args, **kw)
         return self._zero_ghost(out)
@@ -575,8 +605,13 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
 
     # -- agreeing on the batch ------------------------------------------------------------------------------
 
-    def _local_summary(self, tree: Optional[ArgumentTree], mapped: Sequence[Mapped], batch: Optional[int],
-                       error: Optional[BaseException]) -> str:
+    def _local_summary(
+        self,
+        tree: Optional[ArgumentTree],
+        mapped: Sequence[Mapped],
+        batch: Optional[int],
+        error: Optional[BaseException],
+    ) -> str:
         if error is not None:
             first = str(error).splitlines()[0] if str(error) else type(error).__name__
             return f"{type(error).__name__}: {first}"
@@ -585,8 +620,13 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             parts.append(f"{m.leaf.path} {shape_text(m.leaf.value)}")
         return ", ".join(parts)
 
-    def _agree(self, tree: Optional[ArgumentTree], mapped: Sequence[Mapped], batch: Optional[int],
-               error: Optional[BaseException]) -> None:
+    def _agree(
+        self,
+        tree: Optional[ArgumentTree],
+        mapped: Sequence[Mapped],
+        batch: Optional[int],
+        error: Optional[BaseException],
+    ) -> None:
         items: list[Any] = [self._specs.signature_text]
         if tree is not None:
             items += [tree.n_args, tree.kw_keys]
@@ -601,14 +641,16 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                     items.append((leaf.path, repr(leaf.spec), tuple(v.shape), str(v.dtype), v.requires_grad))
                 if self.check_batch == "values":
                     t = (v.data if m.is_packed else v).detach().contiguous().cpu()
-                    items.append(hashlib.blake2b(t.reshape(-1).view(torch.uint8).numpy().tobytes(),
-                                                 digest_size=8).hexdigest())
+                    items.append(
+                        hashlib.blake2b(t.reshape(-1).view(torch.uint8).numpy().tobytes(), digest_size=8).hexdigest()
+                    )
             else:
                 kind = f"tensor(requires_grad={v.requires_grad})" if isinstance(v, Tensor) else type(v).__name__
                 items.append((leaf.path, repr(leaf.spec), kind))
         status = 1 if error is not None else 0
-        mine = torch.tensor([status, -1 if batch is None else batch, _fingerprint(items)], dtype=torch.int64,
-                            device=self._comm_device)
+        mine = torch.tensor(
+            [status, -1 if batch is None else batch, _fingerprint(items)], dtype=torch.int64, device=self._comm_device
+        )
         allv = [torch.empty_like(mine) for _ in range(self._world)]
         dist.all_gather(allv, mine, group=self.process_group)
         rows = [tuple(int(x) for x in t.tolist()) for t in allv]
@@ -619,20 +661,27 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         dist.all_gather_object(summaries, self._local_summary(tree, mapped, batch, error), group=self.process_group)
         bad_local = [r for r, row in enumerate(rows) if row[0]]
         if bad_local:
-            head = (f"rank{'s' if len(bad_local) > 1 else ''} {', '.join(map(str, bad_local))} could not split "
-                    "its inputs, so no rank runs this step")
+            head = (
+                f"rank{'s' if len(bad_local) > 1 else ''} {', '.join(map(str, bad_local))} could not split "
+                "its inputs, so no rank runs this step"
+            )
         else:
             bs = sorted({row[1] for row in rows})
             if len(bs) > 1:
-                head = ("the ranks were given different global batches: B differs across ranks "
-                        f"({', '.join('-' if b < 0 else str(b) for b in bs)}); every rank must get the same "
-                        "global batch (or load per-rank data and use dpfast.distributed.shard_batch / "
-                        "shard_dataset with torch's DistributedDataParallel)")
+                head = (
+                    "the ranks were given different global batches: B differs across ranks "
+                    f"({', '.join('-' if b < 0 else str(b) for b in bs)}); every rank must get the same "
+                    "global batch (or load per-rank data and use dpfast.distributed.shard_batch / "
+                    "shard_dataset with torch's DistributedDataParallel)"
+                )
             else:
-                what = "shapes, dtypes or structure" if self.check_batch is True else \
-                    "shapes, dtypes, structure or values"
-                head = (f"the ranks were given different global batches: same B = {bs[0]} but different {what} "
-                        "of the arguments; every rank must get the same global batch")
+                what = (
+                    "shapes, dtypes or structure" if self.check_batch is True else "shapes, dtypes, structure or values"
+                )
+                head = (
+                    f"the ranks were given different global batches: same B = {bs[0]} but different {what} "
+                    "of the arguments; every rank must get the same global batch"
+                )
         lines = [f"dpfast.DistributedDataParallel: {head}"]
         for r, s in enumerate(summaries):
             lines.append(f"  rank {r}{' (this rank)' if r == self._rank else ''}: {s}")
@@ -680,8 +729,10 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                         num = type(v) if s == "sum" and isinstance(v, int) else float
                         t = torch.tensor(v, dtype=torch.int64 if num is int else torch.float64)
                     else:
-                        raise TypeError(f"output `{leaf.path}` is a {type(v).__name__}; out_dims {s!r} needs "
-                                        "tensors or numbers from every rank")
+                        raise TypeError(
+                            f"output `{leaf.path}` is a {type(v).__name__}; out_dims {s!r} needs "
+                            "tensors or numbers from every rank"
+                        )
                     desc.append((leaf.path, s, tuple(t.shape), str(t.dtype)))
                     slots.append(("t", len(tensors), num))
                     tensors.append(t)
@@ -690,18 +741,32 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                     weights.append(mean_w[r] if s == "mean" else (1.0 if active[r] else 0.0))
                     continue
                 if isinstance(v, PackedSequence):
-                    raise TypeError(f"output `{leaf.path}` is a PackedSequence, which gather_outputs cannot "
-                                    "all-gather yet; return it padded (torch.nn.utils.rnn.pad_packed_sequence), or "
-                                    "give it out_dims None to keep this rank's own value")
+                    raise TypeError(
+                        f"output `{leaf.path}` is a PackedSequence, which gather_outputs cannot "
+                        "all-gather yet; return it padded (torch.nn.utils.rnn.pad_packed_sequence), or "
+                        "give it out_dims None to keep this rank's own value"
+                    )
                 if not isinstance(v, Tensor):
-                    raise TypeError(f"output `{leaf.path}` is a {type(v).__name__}, which cannot be concatenated "
-                                    f"along axis {s}; give it out_dims None (this rank's value), 'sum' or 'mean'")
+                    raise TypeError(
+                        f"output `{leaf.path}` is a {type(v).__name__}, which cannot be concatenated "
+                        f"along axis {s}; give it out_dims None (this rank's value), 'sum' or 'mean'"
+                    )
                 if v.dim() and not -v.dim() <= s < v.dim():
-                    raise ValueError(f"output `{leaf.path}` has shape {tuple(v.shape)}: axis {s} is out of range; "
-                                     "give it another out_dims axis, or None/'sum'/'mean'")
+                    raise ValueError(
+                        f"output `{leaf.path}` has shape {tuple(v.shape)}: axis {s} is out of range; "
+                        "give it another out_dims axis, or None/'sum'/'mean'"
+                    )
                 axis = s % v.dim() if v.dim() else 0
-                desc.append((leaf.path, "cat", axis, v.dim(), str(v.dtype),
-                             tuple(n for i, n in enumerate(v.shape) if i != axis)))
+                desc.append(
+                    (
+                        leaf.path,
+                        "cat",
+                        axis,
+                        v.dim(),
+                        str(v.dtype),
+                        tuple(n for i, n in enumerate(v.shape) if i != axis),
+                    )
+                )
                 slots.append(("t", len(tensors), None))
                 tensors.append(v)
                 kinds.append("cat")
@@ -728,13 +793,17 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             dist.all_gather_object(summaries, [d for d in desc], group=self.process_group)
             failed = [i for i, h in enumerate(heads) if int(h[2])]
             if failed:
-                lines = [f"dpfast.DistributedDataParallel(gather_outputs=True): rank{'s' if len(failed) > 1 else ''} "
-                         f"{', '.join(map(str, failed))} could not gather {'their' if len(failed) > 1 else 'its'} "
-                         "outputs, so no rank gathers them"]
+                lines = [
+                    f"dpfast.DistributedDataParallel(gather_outputs=True): rank{'s' if len(failed) > 1 else ''} "
+                    f"{', '.join(map(str, failed))} could not gather {'their' if len(failed) > 1 else 'its'} "
+                    "outputs, so no rank gathers them"
+                ]
             else:
-                lines = ["dpfast.DistributedDataParallel(gather_outputs=True): the ranks returned different output "
-                         "structures (paths, specs, dtypes or non-batch shapes differ); every rank must return the "
-                         "same structure to be gathered"]
+                lines = [
+                    "dpfast.DistributedDataParallel(gather_outputs=True): the ranks returned different output "
+                    "structures (paths, specs, dtypes or non-batch shapes differ); every rank must return the "
+                    "same structure to be gathered"
+                ]
             for i, s in enumerate(summaries):
                 lines.append(f"  rank {i}{' (this rank)' if i == r else ''}: {s}")
             if local_error is not None:
@@ -760,8 +829,17 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if not tensors:
             return out
         plan = _ExchangePlan(
-            self.process_group, self._comm_device, r, W, kinds, axes, rows, weights,
-            [tuple(t.shape) for t in tensors], [t.dtype for t in tensors], [t.device for t in tensors],
+            self.process_group,
+            self._comm_device,
+            r,
+            W,
+            kinds,
+            axes,
+            rows,
+            weights,
+            [tuple(t.shape) for t in tensors],
+            [t.dtype for t in tensors],
+            [t.device for t in tensors],
         )
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             results = _Exchange.apply(plan, *tensors)
@@ -784,4 +862,3 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if self.gather_outputs:
             parts.append("gather_outputs=True")
         return ", ".join(parts)
-

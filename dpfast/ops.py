@@ -153,8 +153,11 @@ if LOADED:
         checks.check_scatter(sizes, devices)
         dims = checks.check_split("scatter", xs, dim, sizes)
         checks.check_meta_copy("scatter", "tensors", xs, devices)
-        return [x.new_empty(shape, device=dev) for x, d in zip(xs, dims)
-                for shape, dev in zip(_chunk_shapes(x, d, sizes), devices)]
+        return [
+            x.new_empty(shape, device=dev)
+            for x, d in zip(xs, dims)
+            for shape, dev in zip(_chunk_shapes(x, d, sizes), devices)
+        ]
 
     @torch.library.register_fake("dpfast::gather")
     def _(chunks: list[Tensor], dim: int, device: torch.device) -> Tensor:

@@ -54,8 +54,13 @@ def check(cfg: Config, device: torch.device, batch: int) -> float:
     torch.manual_seed(0)
     plain = build_model(cfg, device).double().eval()
     wrapped = copy.deepcopy(plain)
-    ddp = dpfast.DistributedDataParallel(wrapped, device_ids=[device.index] if device.type == "cuda" else None,
-                                         in_dims=IN_DIMS, out_dims=OUT_DIMS, gather_outputs=True)
+    ddp = dpfast.DistributedDataParallel(
+        wrapped,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        in_dims=IN_DIMS,
+        out_dims=OUT_DIMS,
+        gather_outputs=True,
+    )
     gen = torch.Generator().manual_seed(1234)
     x, target = make_batch(cfg, gen, device, batch=batch)
     x = x.double()
@@ -64,8 +69,11 @@ def check(cfg: Config, device: torch.device, batch: int) -> float:
     want = reason(plain, x, h0, cfg.reasoning_steps)
     loss_of(got, target, cfg.output_dim).backward()
     loss_of(want, target, cfg.output_dim).backward()
-    pairs = [(a, b) for g, w in zip(got, want) for a, b in zip(torch.utils._pytree.tree_leaves(g),
-                                                                torch.utils._pytree.tree_leaves(w))]
+    pairs = [
+        (a, b)
+        for g, w in zip(got, want)
+        for a, b in zip(torch.utils._pytree.tree_leaves(g), torch.utils._pytree.tree_leaves(w))
+    ]
     pairs += [(p.grad, q.grad) for p, q in zip(ddp.module.parameters(), plain.parameters())]
     worst = 0.0
     for a, b in pairs:
@@ -93,8 +101,13 @@ def main() -> int:
     # 2. training, as the seed does: the same global batch on every rank, the state fed back each call
     torch.manual_seed(0)
     model = build_model(cfg, device)
-    ddp = dpfast.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                         in_dims=IN_DIMS, out_dims=OUT_DIMS, gather_outputs=True)
+    ddp = dpfast.DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        in_dims=IN_DIMS,
+        out_dims=OUT_DIMS,
+        gather_outputs=True,
+    )
     x, target = make_batch(cfg, torch.Generator().manual_seed(0), device)
     say(f"  training {cfg.train_steps} steps x {cfg.reasoning_steps} RRN calls")
     losses = []
@@ -104,8 +117,10 @@ def main() -> int:
         loss.backward()
         sgd_step(model, cfg.lr)
         losses.append(loss.item())
-        say(f"  step {step + 1}: loss {loss.item():.4f}   (rank 0 ran rows {ddp.share.start}:{ddp.share.stop} "
-            f"of {ddp.share.batch_size})")
+        say(
+            f"  step {step + 1}: loss {loss.item():.4f}   (rank 0 ran rows {ddp.share.start}:{ddp.share.stop} "
+            f"of {ddp.share.batch_size})"
+        )
 
     # 3. the replicas stayed identical (DDP's all-reduce) and every rank saw the same loss
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()] + [torch.tensor(losses, device=device)])
@@ -115,8 +130,10 @@ def main() -> int:
     ok = torch.tensor([int(same)], device=device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     passed = bool(ok.item()) and losses[-1] < losses[0]
-    say(f"[ddp_rrn] {'PASS' if passed else 'FAIL'}: exact vs single process, loss {losses[0]:.3f} -> "
-        f"{losses[-1]:.3f}, parameters identical on all {world} ranks")
+    say(
+        f"[ddp_rrn] {'PASS' if passed else 'FAIL'}: exact vs single process, loss {losses[0]:.3f} -> "
+        f"{losses[-1]:.3f}, parameters identical on all {world} ranks"
+    )
     dist.destroy_process_group()
     return 0 if passed else 1
 

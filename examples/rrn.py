@@ -76,11 +76,22 @@ class MLP(nn.Module):
 class RRN(nn.Module):
     """The seed's RRN (its appendix), unchanged: the LSTM ``g`` keeps torch's ``(g_layers, B, H)`` state."""
 
-    def __init__(self, dim_hidden, message_dim, output_dim, f_dims, o_dims, device,  g_layers=1, edge_attribute_dim=0, single_output=False):
-        '''
+    def __init__(
+        self,
+        dim_hidden,
+        message_dim,
+        output_dim,
+        f_dims,
+        o_dims,
+        device,
+        g_layers=1,
+        edge_attribute_dim=0,
+        single_output=False,
+    ):
+        """
         :param edge_attribute_dim: 0 if edges have no attributes, else an integer. Default 0.
         :param single_output: True if RRN emits only one output at a time, False if it emits as many outputs as units. Default False.
-        '''
+        """
 
         super(RRN, self).__init__()
 
@@ -110,33 +121,32 @@ class RRN(nn.Module):
         self.o = MLP(input_o_dim, self.o_dims, self.output_dim, dropout=True)
 
     def forward(self, x, hidden, h, edge_attribute=None):
-        '''
+        """
         This can be called repeatedly after hidden states are set.
         :param x: inputs to the RRN nodes
         :param hidden: hidden states of RRN nodes (B, N_facts, H)
         :param h: hidden and cell states of g
         :param edge_attributes: (B, Q_dim) tensor containing edge attribute or None if edges have no attributes. Default None.
-        '''
+        """
 
         n_facts = hidden.size(1)
 
         hi = hidden.repeat(1, n_facts, 1)
         hj = hidden.unsqueeze(2)
-        hj = hj.repeat(1,1,n_facts,1).view(hidden.size(0),-1,hidden.size(2))
+        hj = hj.repeat(1, 1, n_facts, 1).view(hidden.size(0), -1, hidden.size(2))
         if edge_attribute is not None:
             ea = edge_attribute.unsqueeze(1)
-            ea = ea.repeat(1,hi.size(1),1)
-            input_f = torch.cat((hj,hi,ea), dim=2)
+            ea = ea.repeat(1, hi.size(1), 1)
+            input_f = torch.cat((hj, hi, ea), dim=2)
         else:
-            input_f = torch.cat((hi,hj), dim=2)
-
+            input_f = torch.cat((hi, hj), dim=2)
 
         messages = self.f(input_f)
 
-        messages = messages.view(hidden.size(0),hidden.size(1),hidden.size(1), self.message_dim)
+        messages = messages.view(hidden.size(0), hidden.size(1), hidden.size(1), self.message_dim)
 
         # sum_messages[i] contains the sum of the messages incoming to node i
-        sum_messages = torch.sum(messages, dim=2) # B, N_facts, Message_dim
+        sum_messages = torch.sum(messages, dim=2)  # B, N_facts, Message_dim
 
         input_g_mlp = torch.cat((x, sum_messages), dim=2)
 
@@ -159,8 +169,8 @@ class RRN(nn.Module):
         self.batch_size = b
         h = (
             torch.zeros(self.g_layers, b, self.dim_hidden, device=self.device, requires_grad=True),
-            torch.zeros(self.g_layers, b, self.dim_hidden, device=self.device, requires_grad=True)
-            )
+            torch.zeros(self.g_layers, b, self.dim_hidden, device=self.device, requires_grad=True),
+        )
         return h
 
 
@@ -184,8 +194,15 @@ class Config:
 
 def build_model(cfg: Config, device="cpu") -> RRN:
     device = torch.device(device)
-    return RRN(cfg.dim_hidden, cfg.message_dim, cfg.output_dim, list(cfg.f_dims), list(cfg.o_dims), device,
-               g_layers=cfg.g_layers).to(device)
+    return RRN(
+        cfg.dim_hidden,
+        cfg.message_dim,
+        cfg.output_dim,
+        list(cfg.f_dims),
+        list(cfg.o_dims),
+        device,
+        g_layers=cfg.g_layers,
+    ).to(device)
 
 
 def make_batch(cfg: Config, generator: torch.Generator, device="cpu", batch: Optional[int] = None):
@@ -226,8 +243,16 @@ def train(dp: nn.Module, model: RRN, cfg: Config, x, target, report: Report) -> 
 # ---- the check: dpfast == the unwrapped model ----------------------------------------------------------------------
 
 
-def check_against_plain(model: RRN, device_ids: Sequence, x: torch.Tensor, target: torch.Tensor, steps: int,
-                        report: Report, in_dims=IN_DIMS, out_dims=OUT_DIMS) -> bool:
+def check_against_plain(
+    model: RRN,
+    device_ids: Sequence,
+    x: torch.Tensor,
+    target: torch.Tensor,
+    steps: int,
+    report: Report,
+    in_dims=IN_DIMS,
+    out_dims=OUT_DIMS,
+) -> bool:
     """Run float64 copies of ``model`` (eval mode: dropout off) with and without dpfast on the same batch for
     ``steps`` calls, each feeding the returned state back; outputs, states, and the gradients of every parameter and
     input must be equal. The initial LSTM state is random, not reset_g's zeros, so a wrongly split state would show."""
@@ -238,8 +263,10 @@ def check_against_plain(model: RRN, device_ids: Sequence, x: torch.Tensor, targe
     h0 = [torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in model.reset_g(x.size(0))]
 
     def leaves():
-        return (x.detach().double().clone().requires_grad_(),
-                tuple(t.to(x.device).clone().requires_grad_() for t in h0))
+        return (
+            x.detach().double().clone().requires_grad_(),
+            tuple(t.to(x.device).clone().requires_grad_() for t in h0),
+        )
 
     (xa, ha), (xb, hb) = leaves(), leaves()
     got, want = reason(dp, xa, ha, steps), reason(plain, xb, hb, steps)
@@ -257,8 +284,11 @@ def check_against_plain(model: RRN, device_ids: Sequence, x: torch.Tensor, targe
     grads = lambda m: [p.grad for p in m.parameters()]  # noqa: E731
     n_params = sum(1 for _ in plain.parameters())
     ok &= report.compare(f"gradients of all {n_params} parameters", grads(wrapped), grads(plain))
-    ok &= report.compare("gradients of x and of the initial (h0, c0)", (xa.grad, ha[0].grad, ha[1].grad),
-                         (xb.grad, hb[0].grad, hb[1].grad))
+    ok &= report.compare(
+        "gradients of x and of the initial (h0, c0)",
+        (xa.grad, ha[0].grad, ha[1].grad),
+        (xb.grad, hb[0].grad, hb[1].grad),
+    )
     return ok
 
 
@@ -276,8 +306,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
 
-    report.say("=" * 100, "Seed 000: RRN whose LSTM state h = (h0, c0) is (num_layers, B, H)  [examples/rrn.py]",
-               "=" * 100, f"devices: {why}")
+    report.say(
+        "=" * 100,
+        "Seed 000: RRN whose LSTM state h = (h0, c0) is (num_layers, B, H)  [examples/rrn.py]",
+        "=" * 100,
+        f"devices: {why}",
+    )
     model = build_model(cfg, device)
     x, target = make_batch(cfg, gen, device)
     h = model.reset_g(x.size(0))
@@ -288,17 +322,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     title(report, f"Fix, one line: dpfast.DataParallel(model, in_dims={IN_DIMS}, out_dims={OUT_DIMS})")
     dp = dpfast.DataParallel(model, device_ids, in_dims=IN_DIMS, out_dims=OUT_DIMS)
-    report.say(str(dp.plan(x, x, h)), "",
-               f"training: {cfg.train_steps} steps x {cfg.reasoning_steps} RRN calls, the state fed back each call")
+    report.say(
+        str(dp.plan(x, x, h)),
+        "",
+        f"training: {cfg.train_steps} steps x {cfg.reasoning_steps} RRN calls, the state fed back each call",
+    )
     losses = train(dp, model, cfg, x, target, report)
 
-    title(report, f"Check: dpfast == the unwrapped model (float64, eval mode, {cfg.reasoning_steps} calls feeding "
-                  "the state back)")
+    title(
+        report,
+        f"Check: dpfast == the unwrapped model (float64, eval mode, {cfg.reasoning_steps} calls feeding "
+        "the state back)",
+    )
     ok = check_against_plain(model, device_ids, x, target, cfg.reasoning_steps, report)
     ok = ok and error is not None and all(map(lambda v: v == v, losses))  # the loss is never NaN
-    print(f"[rrn] {'PASS' if ok else 'FAIL'}: {'one device, nothing split' if error == 'one device' else 'ScatterError without the spec'}, {len(losses)} training steps "
-          f"(loss {losses[0]:.3f} -> {losses[-1]:.3f}), {report.passed} equality checks"
-          + ("" if ok else f"; failures: {report.failures}"))
+    print(
+        f"[rrn] {'PASS' if ok else 'FAIL'}: {'one device, nothing split' if error == 'one device' else 'ScatterError without the spec'}, {len(losses)} training steps "
+        f"(loss {losses[0]:.3f} -> {losses[-1]:.3f}), {report.passed} equality checks"
+        + ("" if ok else f"; failures: {report.failures}")
+    )
     return 0 if ok else 1
 
 

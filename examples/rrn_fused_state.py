@@ -49,31 +49,31 @@ class RRNFusedState(RRN):
     state dict keys) as :class:`RRN`."""
 
     def forward(self, x, hidden, h, edge_attribute=None):
-        '''
+        """
         :param x: inputs to the RRN nodes
         :param hidden: hidden states of RRN nodes (B, N_facts, H)
         :param h: hidden and cell states of g, batch-first: ((B, g_layers, H), (B, g_layers, H))
         :param edge_attributes: (B, Q_dim) tensor containing edge attribute or None if edges have no attributes. Default None.
-        '''
+        """
 
         n_facts = hidden.size(1)
 
         hi = hidden.repeat(1, n_facts, 1)
         hj = hidden.unsqueeze(2)
-        hj = hj.repeat(1,1,n_facts,1).view(hidden.size(0),-1,hidden.size(2))
+        hj = hj.repeat(1, 1, n_facts, 1).view(hidden.size(0), -1, hidden.size(2))
         if edge_attribute is not None:
             ea = edge_attribute.unsqueeze(1)
-            ea = ea.repeat(1,hi.size(1),1)
-            input_f = torch.cat((hj,hi,ea), dim=2)
+            ea = ea.repeat(1, hi.size(1), 1)
+            input_f = torch.cat((hj, hi, ea), dim=2)
         else:
-            input_f = torch.cat((hi,hj), dim=2)
+            input_f = torch.cat((hi, hj), dim=2)
 
         messages = self.f(input_f)
 
-        messages = messages.view(hidden.size(0),hidden.size(1),hidden.size(1), self.message_dim)
+        messages = messages.view(hidden.size(0), hidden.size(1), hidden.size(1), self.message_dim)
 
         # sum_messages[i] contains the sum of the messages incoming to node i
-        sum_messages = torch.sum(messages, dim=2) # B, N_facts, Message_dim
+        sum_messages = torch.sum(messages, dim=2)  # B, N_facts, Message_dim
 
         input_g_mlp = torch.cat((x, sum_messages), dim=2)
 
@@ -99,28 +99,44 @@ class RRNFusedState(RRN):
         # hidden is composed by hidden and cell state vectors, batch first (the blog's reset_g)
         h = (
             torch.zeros(b, self.g_layers, self.dim_hidden, device=self.device, requires_grad=True),
-            torch.zeros(b, self.g_layers, self.dim_hidden, device=self.device, requires_grad=True)
+            torch.zeros(b, self.g_layers, self.dim_hidden, device=self.device, requires_grad=True),
         )
         return h
 
 
 def build_model(cfg: Config, device="cpu") -> RRNFusedState:
     device = torch.device(device)
-    return RRNFusedState(cfg.dim_hidden, cfg.message_dim, cfg.output_dim, list(cfg.f_dims), list(cfg.o_dims),
-                         device, g_layers=cfg.g_layers).to(device)
+    return RRNFusedState(
+        cfg.dim_hidden,
+        cfg.message_dim,
+        cfg.output_dim,
+        list(cfg.f_dims),
+        list(cfg.o_dims),
+        device,
+        g_layers=cfg.g_layers,
+    ).to(device)
 
 
 def as_seed_model(model: RRNFusedState) -> RRN:
     """The seed's RRN with the same weights (the state dicts are interchangeable)."""
-    seed = RRN(model.dim_hidden, model.message_dim, model.output_dim, model.f_dims, model.o_dims, model.device,
-               g_layers=model.g_layers, edge_attribute_dim=model.edge_attribute_dim,
-               single_output=model.single_output)
+    seed = RRN(
+        model.dim_hidden,
+        model.message_dim,
+        model.output_dim,
+        model.f_dims,
+        model.o_dims,
+        model.device,
+        g_layers=model.g_layers,
+        edge_attribute_dim=model.edge_attribute_dim,
+        single_output=model.single_output,
+    )
     seed.load_state_dict(model.state_dict())
     return seed.to(next(model.parameters()).device)
 
 
-def check_against_seed(model: RRNFusedState, device_ids: Sequence, x: torch.Tensor, target: torch.Tensor,
-                       steps: int, report: Report) -> bool:
+def check_against_seed(
+    model: RRNFusedState, device_ids: Sequence, x: torch.Tensor, target: torch.Tensor, steps: int, report: Report
+) -> bool:
     """float64, eval mode: ``dpfast.DataParallel(model)`` (default dim=0) for ``steps`` calls feeding the state back
     equals the seed's unwrapped RRN with the same weights and the state transposed; gradients too."""
     mine = copy.deepcopy(model).double().eval()
@@ -135,8 +151,9 @@ def check_against_seed(model: RRNFusedState, device_ids: Sequence, x: torch.Tens
     got, want = reason(dp, xa, ha, steps), reason(seed, xb, hb, steps)
     ok = True
     for k, ((o1, n1, s1), (o2, n2, s2)) in enumerate(zip(got, want), 1):
-        ok &= report.compare(f"call {k}: out, hidden, h (transposed)", (o1, n1, [t.transpose(0, 1) for t in s1]),
-                             (o2, n2, s2))
+        ok &= report.compare(
+            f"call {k}: out, hidden, h (transposed)", (o1, n1, [t.transpose(0, 1) for t in s1]), (o2, n2, s2)
+        )
 
     def loss_of(results):
         out_loss = sum(F.cross_entropy(o.reshape(-1, o.size(-1)), target.reshape(-1)) for o, _, _ in results)
@@ -145,11 +162,14 @@ def check_against_seed(model: RRNFusedState, device_ids: Sequence, x: torch.Tens
 
     loss_of(got).backward()
     loss_of(want).backward()
-    ok &= report.compare("gradients of all parameters", [p.grad for p in mine.parameters()],
-                         [p.grad for p in seed.parameters()])
-    ok &= report.compare("gradients of x and of the initial (h0, c0)",
-                         (xa.grad, ha[0].grad.transpose(0, 1), ha[1].grad.transpose(0, 1)),
-                         (xb.grad, hb[0].grad, hb[1].grad))
+    ok &= report.compare(
+        "gradients of all parameters", [p.grad for p in mine.parameters()], [p.grad for p in seed.parameters()]
+    )
+    ok &= report.compare(
+        "gradients of x and of the initial (h0, c0)",
+        (xa.grad, ha[0].grad.transpose(0, 1), ha[1].grad.transpose(0, 1)),
+        (xb.grad, hb[0].grad, hb[1].grad),
+    )
     return ok
 
 
@@ -164,24 +184,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
 
-    report.say("=" * 100, "Seed 000, the blog's rewrite: batch-first LSTM state around dpfast.ops  "
-               "[examples/rrn_fused_state.py]", "=" * 100, f"devices: {why}")
+    report.say(
+        "=" * 100,
+        "Seed 000, the blog's rewrite: batch-first LSTM state around dpfast.ops  [examples/rrn_fused_state.py]",
+        "=" * 100,
+        f"devices: {why}",
+    )
     model = build_model(cfg, device)
     x, target = make_batch(cfg, gen, device)
     h = model.reset_g(x.size(0))
 
     title(report, "dpfast.DataParallel(model) with the default dim=0: the state is batch-first now")
     dp = dpfast.DataParallel(model, device_ids)
-    report.say(str(dp.plan(x, x, h)), "",
-               f"training: {cfg.train_steps} steps x {cfg.reasoning_steps} RRN calls, the state fed back each call")
+    report.say(
+        str(dp.plan(x, x, h)),
+        "",
+        f"training: {cfg.train_steps} steps x {cfg.reasoning_steps} RRN calls, the state fed back each call",
+    )
     losses = train(dp, model, cfg, x, target, report)
 
     title(report, "Check: this model under dpfast == the seed's unwrapped RRN, same weights (float64, eval mode)")
     ok = check_against_seed(model, device_ids, x, target, cfg.reasoning_steps, report)
     ok = ok and all(v == v for v in losses)
-    print(f"[rrn_fused_state] {'PASS' if ok else 'FAIL'}: {len(losses)} training steps "
-          f"(loss {losses[0]:.3f} -> {losses[-1]:.3f}), {report.passed} equality checks, ops backend: "
-          f"{dpfast.build_info()['ops_backend']}" + ("" if ok else f"; failures: {report.failures}"))
+    print(
+        f"[rrn_fused_state] {'PASS' if ok else 'FAIL'}: {len(losses)} training steps "
+        f"(loss {losses[0]:.3f} -> {losses[-1]:.3f}), {report.passed} equality checks, ops backend: "
+        f"{dpfast.build_info()['ops_backend']}" + ("" if ok else f"; failures: {report.failures}")
+    )
     return 0 if ok else 1
 
 

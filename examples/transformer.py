@@ -46,8 +46,7 @@ except ImportError:  # run as a script: python examples/transformer.py
 # The one-line fix: the (T, T) mask is shared by every replica; the output is (T, B, V).
 IN_DIMS = {"tgt_mask": None}
 OUT_DIMS = 1
-SEED_ERROR = ("RuntimeError: The shape of the 2D attn_mask is torch.Size([538, 3225]), "
-              "but should be (3225, 3225).")
+SEED_ERROR = "RuntimeError: The shape of the 2D attn_mask is torch.Size([538, 3225]), but should be (3225, 3225)."
 PAD = 1  # the seed's pad token: create_pad_mask(X, 1)
 
 
@@ -77,7 +76,9 @@ class PositionalEncoding(nn.Module):
         # Encoding - From formula
         pos_encoding = torch.zeros(max_len, dim_model)
         positions_list = torch.arange(0, max_len, dtype=torch.float).view(-1, 1)  # 0, 1, 2, 3, 4, 5
-        division_term = torch.exp(torch.arange(0, dim_model, 2).float() * (-math.log(10000.0)) / dim_model)  # 1000^(2i/dim_model)
+        division_term = torch.exp(
+            torch.arange(0, dim_model, 2).float() * (-math.log(10000.0)) / dim_model
+        )  # 1000^(2i/dim_model)
 
         # PE(pos, 2i) = sin(pos/1000^(2i/dim_model))
         pos_encoding[:, 0::2] = torch.sin(positions_list * division_term)
@@ -92,7 +93,7 @@ class PositionalEncoding(nn.Module):
     def forward(self, token_embedding: torch.Tensor) -> torch.Tensor:
         # Residual connection + pos encoding
         if self.batch_index_bug:  # the guide's line: size(0) is the batch size here
-            return self.dropout(token_embedding + self.pos_encoding[:token_embedding.size(0), :])
+            return self.dropout(token_embedding + self.pos_encoding[: token_embedding.size(0), :])
         # (batch, seq, dim) + (1, seq, dim)
         return self.dropout(token_embedding + self.pos_encoding[: token_embedding.size(1)].transpose(0, 1))
 
@@ -105,14 +106,14 @@ class Transformer(nn.Module):
 
     # Constructor
     def __init__(
-            self,
-            src_tokens,
-            tgt_tokens,
-            dim_model,
-            num_heads,
-            num_encoder_layers,
-            num_decoder_layers,
-            dropout_p,
+        self,
+        src_tokens,
+        tgt_tokens,
+        dim_model,
+        num_heads,
+        num_encoder_layers,
+        num_decoder_layers,
+        dropout_p,
     ):
         super().__init__()
 
@@ -121,9 +122,7 @@ class Transformer(nn.Module):
         self.dim_model = dim_model
 
         # LAYERS
-        self.positional_encoder = PositionalEncoding(
-            dim_model=dim_model, dropout_p=dropout_p, max_len=5000
-        )
+        self.positional_encoder = PositionalEncoding(dim_model=dim_model, dropout_p=dropout_p, max_len=5000)
         self.src_embedding = nn.Embedding(src_tokens, dim_model)
         self.tgt_embedding = nn.Embedding(tgt_tokens, dim_model)
         self.transformer = nn.Transformer(
@@ -153,8 +152,9 @@ class Transformer(nn.Module):
         # (the seed printed the three mask shapes here: that is how it saw tgt_mask arrive as (538, 3225))
 
         # Transformer blocks - Out size = (sequence length, batch_size, num_tokens)
-        transformer_out = self.transformer(src, tgt, tgt_mask=tgt_mask, src_key_padding_mask=src_pad_mask,
-                                           tgt_key_padding_mask=tgt_pad_mask)
+        transformer_out = self.transformer(
+            src, tgt, tgt_mask=tgt_mask, src_key_padding_mask=src_pad_mask, tgt_key_padding_mask=tgt_pad_mask
+        )
         out = self.out(transformer_out)
 
         return out
@@ -164,13 +164,13 @@ def get_tgt_mask(size) -> torch.Tensor:
     """The guide's causal mask: 0 on and below the diagonal, -inf above."""
     mask = torch.tril(torch.ones(size, size) == 1)  # Lower triangular matrix
     mask = mask.float()
-    mask = mask.masked_fill(mask == 0, float('-inf'))  # Convert zeros to -inf
+    mask = mask.masked_fill(mask == 0, float("-inf"))  # Convert zeros to -inf
     mask = mask.masked_fill(mask == 1, float(0.0))  # Convert ones to 0
     return mask
 
 
 def create_pad_mask(matrix: torch.Tensor, pad_token: int) -> torch.Tensor:
-    return (matrix == pad_token)
+    return matrix == pad_token
 
 
 # ---- synthetic data and training -----------------------------------------------------------------------------------
@@ -192,9 +192,15 @@ class Config:
 
 
 def build_model(cfg: Config, device="cpu") -> Transformer:
-    return Transformer(src_tokens=cfg.tokens, tgt_tokens=cfg.tokens, dim_model=cfg.dim_model,
-                       num_heads=cfg.num_heads, num_encoder_layers=cfg.num_encoder_layers,
-                       num_decoder_layers=cfg.num_decoder_layers, dropout_p=cfg.dropout_p).to(device)
+    return Transformer(
+        src_tokens=cfg.tokens,
+        tgt_tokens=cfg.tokens,
+        dim_model=cfg.dim_model,
+        num_heads=cfg.num_heads,
+        num_encoder_layers=cfg.num_encoder_layers,
+        num_decoder_layers=cfg.num_decoder_layers,
+        dropout_p=cfg.dropout_p,
+    ).to(device)
 
 
 def make_batch(cfg: Config, generator: torch.Generator, device="cpu", batch: Optional[int] = None):
@@ -243,8 +249,16 @@ def train(dp: nn.Module, model: Transformer, cfg: Config, X, y, report: Report) 
 # ---- the check: dpfast == the unwrapped model ----------------------------------------------------------------------
 
 
-def check_against_plain(model: Transformer, device_ids: Sequence, X: torch.Tensor, y: torch.Tensor,
-                        report: Report, in_dims=IN_DIMS, out_dims=OUT_DIMS, call_with_keywords=True) -> bool:
+def check_against_plain(
+    model: Transformer,
+    device_ids: Sequence,
+    X: torch.Tensor,
+    y: torch.Tensor,
+    report: Report,
+    in_dims=IN_DIMS,
+    out_dims=OUT_DIMS,
+    call_with_keywords=True,
+) -> bool:
     """Run float64 copies of ``model`` (eval mode: dropout off) with and without dpfast on the same batch; the
     output and the gradients of every parameter must be equal. ``call_with_keywords=False`` passes the masks by
     position instead, which ``in_dims`` keyed by name must treat alike."""
@@ -288,8 +302,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     warnings.filterwarnings("ignore", message=".*mismatched key_padding_mask and attn_mask.*")
     warnings.filterwarnings("ignore", message=".*enable_nested_tensor is True.*")
 
-    report.say("=" * 100, "Seed 004: Transformer whose (T, T) tgt_mask has no batch axis  [examples/transformer.py]",
-               "=" * 100, f"devices: {why}")
+    report.say(
+        "=" * 100,
+        "Seed 004: Transformer whose (T, T) tgt_mask has no batch axis  [examples/transformer.py]",
+        "=" * 100,
+        f"devices: {why}",
+    )
     model = build_model(cfg, device)
     X, y = make_batch(cfg, gen, device)
     margs, mkwargs, _ = model_inputs(X, y)
@@ -307,9 +325,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ok = check_against_plain(model, device_ids, X, y, report)
     ok &= check_against_plain(model, device_ids, X, y, report, call_with_keywords=False)
     ok = ok and error is not None and all(v == v for v in losses)  # the loss is never NaN
-    print(f"[transformer] {'PASS' if ok else 'FAIL'}: {'one device, nothing split' if error == 'one device' else 'ScatterError without the spec'}, {len(losses)} training steps "
-          f"(loss {losses[0]:.3f} -> {losses[-1]:.3f}), {report.passed} equality checks"
-          + ("" if ok else f"; failures: {report.failures}"))
+    print(
+        f"[transformer] {'PASS' if ok else 'FAIL'}: {'one device, nothing split' if error == 'one device' else 'ScatterError without the spec'}, {len(losses)} training steps "
+        f"(loss {losses[0]:.3f} -> {losses[-1]:.3f}), {report.passed} equality checks"
+        + ("" if ok else f"; failures: {report.failures}")
+    )
     return 0 if ok else 1
 
 

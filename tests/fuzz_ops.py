@@ -31,8 +31,20 @@ from dpfast import ops
 from dpfast import reference as ref
 
 LIMIT_BYTES = 1 << 22  # results bigger than this are not built (the huge views only reach error paths)
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16, torch.int32,
-          torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+]
 SIZES = [0, 1, 1, 2, 3, 4, 5, 7, 16, 33]
 
 
@@ -62,8 +74,9 @@ class Gen:
     def tensor(self, shape: list[int], dtype=None) -> torch.Tensor:
         """A tensor of `shape` in a random memory layout (values are random bytes: NaN payloads included)."""
         dtype = dtype or self.r.choice(DTYPES)
-        layout = self.r.choice(["contiguous", "contiguous", "permuted", "sliced", "expanded", "offset", "overlap",
-                                "math_bit"])
+        layout = self.r.choice(
+            ["contiguous", "contiguous", "permuted", "sliced", "expanded", "offset", "overlap", "math_bit"]
+        )
         if layout == "permuted" and len(shape) >= 2:
             perm = list(range(len(shape)))
             self.r.shuffle(perm)
@@ -110,14 +123,27 @@ class Gen:
         if ok:
             cuts = sorted(self.r.randrange(total + 1) for _ in range(max(n - 1, 0)))
             return [b - a for a, b in zip([0] + cuts, cuts + [total])] if n else ([] if total == 0 else [total])
-        return self.r.choice([
-            [total + 1], [-1, total + 1], [2**63 - 1, 2**63 - 1, 5], [2**62] * 4, [total, 0, 0, -0],
-            [float(total)], [str(total)], [np.int64(total)], [True] * min(total, 4), total, [], [2**63 - 1, 1],
-        ])
+        return self.r.choice(
+            [
+                [total + 1],
+                [-1, total + 1],
+                [2**63 - 1, 2**63 - 1, 5],
+                [2**62] * 4,
+                [total, 0, 0, -0],
+                [float(total)],
+                [str(total)],
+                [np.int64(total)],
+                [True] * min(total, 4),
+                total,
+                [],
+                [2**63 - 1, 1],
+            ]
+        )
 
     def device(self) -> Any:
-        return self.r.choice(["cpu", "cpu", torch.device("cpu"), "meta", torch.device("meta"), "cpu:0", 1.5, None,
-                              "nonsense"])
+        return self.r.choice(
+            ["cpu", "cpu", torch.device("cpu"), "meta", torch.device("meta"), "cpu:0", 1.5, None, "nonsense"]
+        )
 
 
 def outcome(fn: Callable[[], Any]) -> tuple:
@@ -191,8 +217,11 @@ def draw_call(gen: Gen) -> tuple[str, tuple]:
                 if d < len(extra):
                     extra[d] = shape[d]
             xs.append(gen.tensor(extra))
-        total = shape[dim % rank] if (rank and isinstance(dim, int) and not isinstance(dim, bool)
-                                      and -rank <= dim < rank) else 0
+        total = (
+            shape[dim % rank]
+            if (rank and isinstance(dim, int) and not isinstance(dim, bool) and -rank <= dim < rank)
+            else 0
+        )
         if bad and r.random() < 0.3:
             xs = [gen.huge()]
             dim = 0
@@ -250,12 +279,16 @@ def boxed(op: str, args: tuple) -> Any:
 def check_gradients(op: str, args: tuple) -> str:
     """Float inputs that require grad: the gradients of sum(outputs * weights) agree with the reference's."""
     tensors = list(args) if op == "transpose01" else list(args[0])
-    if not tensors or not all(isinstance(t, torch.Tensor) and t.dtype in (torch.float32, torch.float64)
-                              and t.device.type == "cpu" for t in tensors):
+    if not tensors or not all(
+        isinstance(t, torch.Tensor) and t.dtype in (torch.float32, torch.float64) and t.device.type == "cpu"
+        for t in tensors
+    ):
         return ""
     rest = () if op == "transpose01" else args[1:]
-    if op != "transpose01" and any(isinstance(d, str) and "meta" in d or getattr(d, "type", "") == "meta"
-                                   for d in (rest[-1] if op == "scatter" else [rest[-1]] if op == "gather" else [])):
+    if op != "transpose01" and any(
+        isinstance(d, str) and "meta" in d or getattr(d, "type", "") == "meta"
+        for d in (rest[-1] if op == "scatter" else [rest[-1]] if op == "gather" else [])
+    ):
         return ""
     grads = []
     for fn in (ops, ref):
@@ -286,8 +319,11 @@ def run(seconds: float, seed: int, rounds: int, verbose: bool) -> int:
         counts["rounds"] += 1
         truncate = gen.r.random() < 0.05 and op != "gather"  # gather returns one tensor: nothing to truncate
         results = {}
-        for path, fn in (("reference", lambda: getattr(ref, op)(*args)), ("dpfast.ops", lambda: getattr(ops, op)(*args)),
-                         ("torch.ops path", lambda: boxed(op, args))):
+        for path, fn in (
+            ("reference", lambda: getattr(ref, op)(*args)),
+            ("dpfast.ops", lambda: getattr(ops, op)(*args)),
+            ("torch.ops path", lambda: boxed(op, args)),
+        ):
             if truncate and path != "reference":
                 with Truncating():
                     results[path] = outcome(fn)
@@ -316,16 +352,20 @@ def run(seconds: float, seed: int, rounds: int, verbose: bool) -> int:
             counts["agreed error"] += 1
         if verbose:
             print(round_seed, op, results["reference"][0], results["reference"][1:2])
-    print(f"fuzz_ops: seed {seed}, {counts['rounds']} calls on 3 paths in {time.monotonic() - start:.0f} s: "
-          f"{counts['agreed ok']} identical results, {counts['agreed error']} identical errors; extension "
-          f"{'loaded from ' + dpfast._extension.C.__file__ if dpfast.build_info()['extension_loaded'] else 'NOT loaded'}")
+    print(
+        f"fuzz_ops: seed {seed}, {counts['rounds']} calls on 3 paths in {time.monotonic() - start:.0f} s: "
+        f"{counts['agreed ok']} identical results, {counts['agreed error']} identical errors; extension "
+        f"{'loaded from ' + dpfast._extension.C.__file__ if dpfast.build_info()['extension_loaded'] else 'NOT loaded'}"
+    )
     return 0
 
 
 def describe(args: Any) -> str:
     if isinstance(args, torch.Tensor):
-        return (f"Tensor{tuple(args.shape)} {args.dtype} {args.device} stride={args.stride()} "
-                f"neg={args.is_neg()} conj={args.is_conj()}")
+        return (
+            f"Tensor{tuple(args.shape)} {args.dtype} {args.device} stride={args.stride()} "
+            f"neg={args.is_neg()} conj={args.is_conj()}"
+        )
     if isinstance(args, (list, tuple)):
         inner = ", ".join(describe(a) for a in args)
         return f"[{inner}]" if isinstance(args, list) else f"({inner})"

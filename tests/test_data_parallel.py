@@ -165,8 +165,11 @@ def _spec_cases():
     x, h, mask = multi_inputs()
     return {
         "dict-positional": (dict(in_dims={"h": 1, "mask": None}, out_dims=(0, 1)), (x, h, mask), {}),
-        "dict-keyword": (dict(in_dims={"h": 1, "mask": None}, out_dims=(0, 1)), (x,),
-                         {"h": h, "mask": mask, "scale": 2.0}),
+        "dict-keyword": (
+            dict(in_dims={"h": 1, "mask": None}, out_dims=(0, 1)),
+            (x,),
+            {"h": h, "mask": mask, "scale": 2.0},
+        ),
         "dict-mixed": (dict(in_dims={"mask": None, "h": 1}, out_dims=[0, 1]), (x, h), {"mask": mask}),
         "sequence": (dict(in_dims=[0, 1, None], out_dims=(0, 1)), (x, h, mask), {}),
         "sequence-short": (dict(in_dims=(0, 1), out_dims=(0, 1)), (x, h), {"mask": None}),
@@ -207,11 +210,16 @@ class Nested(nn.Module):
 
 def test_nested_structures_in_and_out():
     torch.manual_seed(2)
-    batch = {"ids": torch.randn(7, 4, dtype=DT), "feats": [torch.randn(7, 4, dtype=DT), torch.randn(4, 7, dtype=DT)],
-             "tag": "train"}
+    batch = {
+        "ids": torch.randn(7, 4, dtype=DT),
+        "feats": [torch.randn(7, 4, dtype=DT), torch.randn(4, 7, dtype=DT)],
+        "tag": "train",
+    }
     pair = Pair(a=torch.randn(7, 4, dtype=DT), b=torch.randn(4, 4, dtype=DT))
     out = check_against_module(
-        Nested, (batch, pair), n=3,
+        Nested,
+        (batch, pair),
+        n=3,
         in_dims={"batch": {"feats": (0, 1)}, "pair": Pair(0, None)},
         out_dims=({"y": 0, "yt": 1, "pair": Pair(0, None), "tag": None}, 0),
     )
@@ -320,7 +328,8 @@ def test_none_output_is_replica_zero_value_and_numbers_reduce():
             return {"n": x.shape[0], "first": x[0], "mean_n": float(x.shape[0])}
 
     out = dpfast.DataParallel(M(), ["cpu"] * 3, out_dims={"n": "sum", "first": None, "mean_n": "mean"})(
-        torch.arange(7.0)[:, None])
+        torch.arange(7.0)[:, None]
+    )
     assert out["n"] == 7 and out["first"].item() == 0.0
     assert out["mean_n"] == pytest.approx((3 * 3 + 2 * 2 + 2 * 2) / 7)
 
@@ -454,8 +463,11 @@ def test_output_errors():
         def forward(self, x):
             return (x,) if x.shape[0] == 2 else [x]
 
-    with pytest.raises(ValueError, match=r"replicas returned different output structures: replica 0 returned a "
-                                         r"tuple of length 1, replica 1 returned a list of length 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"replicas returned different output structures: replica 0 returned a "
+        r"tuple of length 1, replica 1 returned a list of length 1",
+    ):
         dpfast.DataParallel(Ragged(), ["cpu"] * 2)(torch.zeros(3))
 
     class Label(nn.Module):
@@ -469,22 +481,31 @@ def test_output_errors():
         def forward(self, x):
             return x, (x if x.shape[0] == 2 else "label")
 
-    with pytest.raises(TypeError, match=r"output `output\[1\]` is Tensor/str, which cannot be concatenated along "
-                                        r"axis 0; give it out_dims None"):
+    with pytest.raises(
+        TypeError,
+        match=r"output `output\[1\]` is Tensor/str, which cannot be concatenated along "
+        r"axis 0; give it out_dims None",
+    ):
         dpfast.DataParallel(Mixed(), ["cpu"] * 2)(torch.zeros(3))
     out = dpfast.DataParallel(Label(), ["cpu"] * 2, out_dims=(0, None))(torch.zeros(3))
     assert out[1] == "label"
 
-    with pytest.raises(ValueError, match=r"output `output` cannot be concatenated along axis 2: replica 0 returned "
-                                         r"shape \(2, 1\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"output `output` cannot be concatenated along axis 2: replica 0 returned "
+        r"shape \(2, 1\)",
+    ):
         dpfast.DataParallel(nn.Identity(), ["cpu"] * 2, out_dims=2)(torch.zeros(3, 1))
 
     class Varying(nn.Module):
         def forward(self, x):
             return torch.zeros(x.shape[0], x.shape[0])
 
-    with pytest.raises(ValueError, match=r"output `output` cannot be concatenated along axis 0: replica 1 returned "
-                                         r"\(1, 1\) torch.float32, replica 0 \(2, 2\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"output `output` cannot be concatenated along axis 0: replica 1 returned "
+        r"\(1, 1\) torch.float32, replica 0 \(2, 2\)",
+    ):
         dpfast.DataParallel(Varying(), ["cpu"] * 2)(torch.zeros(3))
     with pytest.raises(ValueError, match=r"output `output` cannot be averaged across replicas"):
         dpfast.DataParallel(Varying(), ["cpu"] * 2, out_dims="mean")(torch.zeros(3))
@@ -497,15 +518,21 @@ def test_out_dims_structure_errors():
     with pytest.raises(ValueError, match=r"out_dims for `output` has 2 specs but `output` is a tuple of length 3"):
         dp(torch.randn(4, 4), torch.randn(4, 2))
     dp = dpfast.DataParallel(Losses(), ["cpu"] * 2, out_dims={"loss": "mean"})
-    with pytest.raises(TypeError, match=r"out_dims for `output` is a dict with keys \['loss'\], but `output` is a "
-                                        r"tuple of length 3"):
+    with pytest.raises(
+        TypeError,
+        match=r"out_dims for `output` is a dict with keys \['loss'\], but `output` is a "
+        r"tuple of length 3",
+    ):
         dp(torch.randn(4, 4), torch.randn(4, 2))
 
 
 def test_module_must_live_on_device_ids_zero():
     module = nn.Linear(2, 2, device="meta")
-    with pytest.raises(RuntimeError, match=r"module must have its parameters and buffers on device cpu "
-                                           r"\(device_ids\[0\]\) but found one of them on device: meta"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"module must have its parameters and buffers on device cpu "
+        r"\(device_ids\[0\]\) but found one of them on device: meta",
+    ):
         dpfast.DataParallel(module, ["cpu"] * 2)(torch.zeros(3, 2))
 
 
@@ -597,14 +624,20 @@ def test_replicas_run_in_threads_with_grad_inference_and_autocast_state():
 
         def forward(self, x):
             y = self.lin(x)
-            seen.append((threading.current_thread().name, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), y.dtype))
+            seen.append(
+                (threading.current_thread().name, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), y.dtype)
+            )
             return y
 
     dp = dpfast.DataParallel(M(), ["cpu"] * 3)
     x = torch.randn(6, 4)
     assert dp(x).requires_grad
-    assert len({s[0] for s in seen}) == 3 and all(  # one thread per replica (names: idents get reused)
-        s[1:] == (True, False, torch.float32) for s in seen)
+    assert (
+        len({s[0] for s in seen}) == 3
+        and all(  # one thread per replica (names: idents get reused)
+            s[1:] == (True, False, torch.float32) for s in seen
+        )
+    )
     seen.clear()
     with torch.no_grad():
         assert not dp(x).requires_grad
@@ -746,7 +779,9 @@ def _cuda_compare(factory, args, kwargs, device_ids, **dp_kwargs):
     module = factory().to(DT).cuda(0)
     reference = copy.deepcopy(module)
     a1, k1 = _fresh_inputs((tuple(args), kwargs))
-    a2, k2 = _walk(_fresh_inputs((tuple(args), kwargs)), lambda t: t.detach().cuda(0).requires_grad_(t.is_floating_point()))
+    a2, k2 = _walk(
+        _fresh_inputs((tuple(args), kwargs)), lambda t: t.detach().cuda(0).requires_grad_(t.is_floating_point())
+    )
     dp = dpfast.DataParallel(module, device_ids, **dp_kwargs)
     out = dp(*a1, **k1)
     ref = reference(*a2, **k2)
@@ -774,17 +809,26 @@ def test_cuda_two_gpus_lstm_state(output_device):
 @needs_two_gpus
 def test_cuda_two_gpus_mask_and_mean():
     src, tgt_mask, pad = _attn_inputs()
-    _cuda_compare(Attn, (src,), dict(tgt_mask=tgt_mask, pad_mask=pad), ["cuda:0", "cuda:1", "cuda:1"],
-                  in_dims={"tgt_mask": None})
+    _cuda_compare(
+        Attn, (src,), dict(tgt_mask=tgt_mask, pad_mask=pad), ["cuda:0", "cuda:1", "cuda:1"], in_dims={"tgt_mask": None}
+    )
     torch.manual_seed(4)
-    _cuda_compare(Losses, (torch.randn(7, 4, dtype=DT), torch.randn(7, 2, dtype=DT)), {}, [0, 1],
-                  chunk_sizes=[1, 3], out_dims=("mean", "sum", 0))
+    _cuda_compare(
+        Losses,
+        (torch.randn(7, 4, dtype=DT), torch.randn(7, 2, dtype=DT)),
+        {},
+        [0, 1],
+        chunk_sizes=[1, 3],
+        out_dims=("mean", "sum", 0),
+    )
 
 
 @pytest.mark.cuda
 @needs_two_gpus
 def test_cuda_module_on_wrong_device():
-    with pytest.raises(RuntimeError, match=r"on device cuda:0 \(device_ids\[0\]\) but found one of them on device: cpu"):
+    with pytest.raises(
+        RuntimeError, match=r"on device cuda:0 \(device_ids\[0\]\) but found one of them on device: cpu"
+    ):
         dpfast.DataParallel(nn.Linear(2, 2), [0, 1])(torch.zeros(4, 2))
 
 

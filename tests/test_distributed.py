@@ -101,7 +101,7 @@ def _rrn_loss(outputs):
     g = torch.Generator().manual_seed(7)
     w_out = torch.randn(out.shape[1:], dtype=DT, generator=g)
     w_h = torch.randn(hn.shape[-1], dtype=DT, generator=g)
-    return (out * w_out).sum() + (hidden ** 2).mean() + (hn * w_h).sum() + cn.pow(2).sum()
+    return (out * w_out).sum() + (hidden**2).mean() + (hn * w_h).sum() + cn.pow(2).sum()
 
 
 def _xy(b):
@@ -159,8 +159,11 @@ def _compare_with_full_batch(factory, inputs, loss_fn, ddp_kwargs, steps=1):
     for name in want:
         assert got[name] is not None, f"{name}: no gradient"
         torch.testing.assert_close(got[name], want[name], msg=lambda m: f"grad of {name}: {m}")
-    _assert_tree_close(torch.utils._pytree.tree_map(lambda t: t.grad, in_ddp),
-                       torch.utils._pytree.tree_map(lambda t: t.grad, in_ref), "input gradients")
+    _assert_tree_close(
+        torch.utils._pytree.tree_map(lambda t: t.grad, in_ddp),
+        torch.utils._pytree.tree_map(lambda t: t.grad, in_ref),
+        "input gradients",
+    )
     return ddp
 
 
@@ -171,16 +174,24 @@ def _scenarios(world):
     out = {}
     for b in BATCHES[world]:
         out[f"rrn_B{b}"] = functools.partial(
-            _compare_with_full_batch, RRN, _rrn_inputs(b), _rrn_loss, dict(in_dims={"h": 1}, out_dims=(0, 0, 1)),
-            steps=2)
+            _compare_with_full_batch,
+            RRN,
+            _rrn_inputs(b),
+            _rrn_loss,
+            dict(in_dims={"h": 1}, out_dims=(0, 0, 1)),
+            steps=2,
+        )
         out[f"losses_B{b}"] = functools.partial(
-            _compare_with_full_batch, Losses, _xy(b), _losses_loss, dict(out_dims=("mean", "sum", 0)))
+            _compare_with_full_batch, Losses, _xy(b), _losses_loss, dict(out_dims=("mean", "sum", 0))
+        )
         out[f"local_loss_scale_B{b}"] = functools.partial(_local_loss_scale, b)
     out["ghost_when_module_refuses_empty"] = functools.partial(
-        _compare_with_full_batch, NoEmpty, _xy(world - 1), _losses_loss, dict(out_dims=("mean", "sum", 0)))
+        _compare_with_full_batch, NoEmpty, _xy(world - 1), _losses_loss, dict(out_dims=("mean", "sum", 0))
+    )
     weights = [1] + [0] + [2] * (world - 2)  # rank 1 gets no rows at all
     out["chunk_sizes_zero_weight"] = functools.partial(
-        _compare_with_full_batch, Losses, _xy(5), _losses_loss, dict(out_dims=("mean", "sum", 0), chunk_sizes=weights))
+        _compare_with_full_batch, Losses, _xy(5), _losses_loss, dict(out_dims=("mean", "sum", 0), chunk_sizes=weights)
+    )
     out["no_tensor_to_split"] = _no_tensor_to_split
     out["mismatched_batch"] = _mismatched_batch
     out["one_rank_bad_inputs"] = _one_rank_bad_inputs
@@ -203,7 +214,7 @@ def _local_loss_scale(b):
     pred = ddp(x)
     assert pred.shape == (ddp.share.size, 2)
     y_local = shard_batch(y, rank, world)
-    torch.testing.assert_close(pred, ref(x)[ddp.share.start: ddp.share.stop].detach())
+    torch.testing.assert_close(pred, ref(x)[ddp.share.start : ddp.share.stop].detach())
     (F.mse_loss(pred, y_local) * ddp.loss_scale).backward() if ddp.share.size else (pred.sum() * 0).backward()
     torch.testing.assert_close(ddp.module.weight.grad, ref.weight.grad)
     torch.testing.assert_close(ddp.module.bias.grad, ref.bias.grad)
@@ -211,8 +222,9 @@ def _local_loss_scale(b):
 
 def _no_tensor_to_split():
     """Nothing to split (every input has spec None): every rank runs it whole, rank 0's outputs count."""
-    _compare_with_full_batch(Losses, _xy(3), _losses_loss,
-                             dict(in_dims={"x": None, "y": None}, out_dims=("mean", "sum", 0)))
+    _compare_with_full_batch(
+        Losses, _xy(3), _losses_loss, dict(in_dims={"x": None, "y": None}, out_dims=("mean", "sum", 0))
+    )
 
 
 def _expect_batch_error(ddp, *inputs, contains=()):
@@ -312,8 +324,8 @@ def _shard_helpers():
     part = shard_batch((x, hid, h), in_dims=(0, 0, 1))  # rank/world from the process group
     r = shard_range(b)
     assert part[0].shape[0] == len(r)
-    torch.testing.assert_close(part[0], x[r.start: r.stop])
-    torch.testing.assert_close(part[2][1], h[1][:, r.start: r.stop])
+    torch.testing.assert_close(part[0], x[r.start : r.stop])
+    torch.testing.assert_close(part[2][1], h[1][:, r.start : r.stop])
     # the shard of the batch is what DDP feeds the module on this rank
     seen = {}
 
@@ -326,7 +338,8 @@ def _shard_helpers():
     ddp(x, hid, h)
     _assert_tree_close(seen["args"], part, "module inputs vs shard_batch")
     assert shard_range(10, rank, world, chunk_sizes=[0] + [1] * (world - 1)) == (
-        range(0) if rank == 0 else shard_range(10, rank - 1, world - 1))
+        range(0) if rank == 0 else shard_range(10, rank - 1, world - 1)
+    )
     ds = shard_dataset(list(range(10)))
     assert list(ds) == list(shard_range(10))
 
@@ -385,7 +398,6 @@ def _run_group(world):
     return results, hung, codes
 
 
-
 @pytest.mark.parametrize("world", [2, 3])
 def test_group_ran_every_scenario(world):
     results, hung, codes = _run_group(world)
@@ -420,8 +432,9 @@ def test_shard_range_partitions_like_data_parallel():
 
 def test_shard_batch_specs_and_errors():
     x, hid, h = _rrn_inputs(5)
-    parts = [shard_batch({"x": x, "h": h, "mask": torch.ones(3, 3)}, r, 3, in_dims={"h": 1, "mask": None})
-             for r in range(3)]
+    parts = [
+        shard_batch({"x": x, "h": h, "mask": torch.ones(3, 3)}, r, 3, in_dims={"h": 1, "mask": None}) for r in range(3)
+    ]
     assert [p["x"].shape[0] for p in parts] == [2, 2, 1]
     assert [p["h"][0].shape[1] for p in parts] == [2, 2, 1]
     assert all(p["mask"].shape == (3, 3) for p in parts)
@@ -457,7 +470,7 @@ def test_shard_batch_packed_sequence_with_empty_shares():
                 continue
             part = shard_batch(ps, r, world, chunk_sizes=weights)
             padded, lengths = pad_packed_sequence(part, batch_first=True)
-            want = seqs[start: start + sizes[r]]
+            want = seqs[start : start + sizes[r]]
             assert lengths.tolist() == [len(s) for s in want]
             for row, s in zip(padded, want):
                 torch.testing.assert_close(row[: len(s)], s)

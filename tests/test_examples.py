@@ -176,8 +176,9 @@ def test_rrn_fused_state_calls_the_fused_ops(monkeypatch):
 
 
 def _tf_cfg(**kw):
-    base = dict(batch=7, src_len=6, tgt_len=5, tokens=9, dim_model=8, num_heads=2, num_encoder_layers=1,
-                num_decoder_layers=1)
+    base = dict(
+        batch=7, src_len=6, tgt_len=5, tokens=9, dim_model=8, num_heads=2, num_encoder_layers=1, num_decoder_layers=1
+    )
     base.update(kw)
     return transformer.Config(**base)
 
@@ -230,8 +231,9 @@ def test_transformer_guide_positional_encoding_depends_on_batch_position():
     device, whoever splits the batch. The example's (sequence-indexed) version does not."""
     cfg = _tf_cfg(batch=8)
     model, args, kwargs, _ = _tf_case(cfg, batch_index_bug=True)
-    dp = dpfast.DataParallel(copy.deepcopy(model), ["cpu"] * 4, in_dims=transformer.IN_DIMS,
-                             out_dims=transformer.OUT_DIMS)
+    dp = dpfast.DataParallel(
+        copy.deepcopy(model), ["cpu"] * 4, in_dims=transformer.IN_DIMS, out_dims=transformer.OUT_DIMS
+    )
     with torch.no_grad():
         got, want = dp(*args, **kwargs), model(*args, **kwargs)
     assert not torch.allclose(got, want)
@@ -251,8 +253,9 @@ def test_example_main_passes_quietly(name, capsys):
 
 def _cli(*args, timeout=120):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, "-m", "dpfast", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "dpfast", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_cli_info():
@@ -301,8 +304,7 @@ def test_cli_demo_fails_when_an_example_fails(monkeypatch, capsys):
 def test_cli_bench_runs_scripts_and_forwards_arguments(tmp_path, monkeypatch, capsys):
     import dpfast.__main__ as cli
 
-    (tmp_path / "bench_ops.py").write_text(
-        "def main(argv=None):\n    print('ops got', argv)\n    return 0\n")
+    (tmp_path / "bench_ops.py").write_text("def main(argv=None):\n    print('ops got', argv)\n    return 0\n")
     monkeypatch.setattr(cli, "BENCHMARKS_DIR", tmp_path)
     assert cli.main(["bench", "ops", "--quick", "--sizes", "1", "2"]) == 0
     assert "ops got ['--quick', '--sizes', '1', '2']" in capsys.readouterr().out

@@ -131,10 +131,12 @@ def test_case_ends_cleanly(case, tmp_path):
     env = dict(os.environ, PYTHONFAULTHANDLER="1")
     # from another folder: `python -c` puts its working directory first on sys.path, and dpfast must come from
     # where the test session's own dpfast comes from (an installed or sanitized build, not the source tree)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [os.path.dirname(os.path.dirname(dpfast.__file__)),
-                                                     env.get("PYTHONPATH", "")] if p)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
-                          cwd=tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in [os.path.dirname(os.path.dirname(dpfast.__file__)), env.get("PYTHONPATH", "")] if p
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path
+    )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), (
         f"exit code {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     )

@@ -107,9 +107,7 @@ def run_and_compare(
     w_out = weights(output_tensor(out_ref))
     w_st = [weights(s) for s in st_ref_l]
     loss_ref = (output_tensor(out_ref) * w_out).sum() + sum((s * w).sum() for s, w in zip(st_ref_l, w_st))
-    loss_ours = (output_tensor(out_ours) * w_out).sum() + sum(
-        (s * to_ours(w)).sum() for s, w in zip(st_ours_l, w_st)
-    )
+    loss_ours = (output_tensor(out_ours) * w_out).sum() + sum((s * to_ours(w)).sum() for s, w in zip(st_ours_l, w_st))
     loss_ref.backward()
     loss_ours.backward()
     torch.testing.assert_close(x_ours.grad, x_ref.grad, rtol=0, atol=1e-11)
@@ -406,9 +404,7 @@ def test_dpfast_data_parallel_cpu_rehearsal(kind):
     _compare_parallel(m, dp, x, state)
     # It really split: three replicas, B = 7 as 3 + 2 + 2, the state with the input.
     seen: list[tuple[int, int]] = []
-    hook = m.register_forward_hook(
-        lambda mod, args, out: seen.append((args[0].shape[0], _flat(args[1])[0].shape[0]))
-    )
+    hook = m.register_forward_hook(lambda mod, args, out: seen.append((args[0].shape[0], _flat(args[1])[0].shape[0])))
     try:
         with torch.no_grad():
             dp(x, state)

@@ -65,6 +65,7 @@ def _python_paths(op, args):
     yield "dpfast.ops", lambda: getattr(ops, op)(*args)
     yield "reference", lambda: getattr(ref, op)(*args)
     if dpfast.build_info()["extension_loaded"]:
+
         def boxed():  # the wrapper's torch.ops path, as torch.compile takes it
             saved = ops._compiling
             ops._compiling = lambda: True
@@ -89,6 +90,7 @@ def test_value_errors_agree_on_every_path(name, op, args):
         outcomes["torch.ops.dpfast"] = _outcome(lambda: getattr(torch.ops.dpfast, op)(*_schema_args(op, args)))
         # the fake kernels, as torch.compile runs them: the same checks with the same messages
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+
             def to_fake(a):
                 if isinstance(a, list):
                     return [to_fake(t) for t in a]

@@ -13,8 +13,16 @@ import dpfast
 from dpfast import ops
 from dpfast import reference as ref
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.bool, torch.complex64,
-          torch.uint8]
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.uint8,
+]
 needs_ext = pytest.mark.skipif(not dpfast.build_info()["extension_loaded"], reason="dpfast._C not built")
 
 
@@ -36,8 +44,11 @@ def make(shape, dtype, device, layout="contiguous", seed=0):
     elif dtype.is_floating_point:
         x = torch.randn(shape, generator=g).to(dtype)
     else:
-        x = torch.randint(-1000, 1000, shape, generator=g).to(dtype) if dtype != torch.uint8 else torch.randint(
-            0, 255, shape, generator=g, dtype=torch.uint8)
+        x = (
+            torch.randint(-1000, 1000, shape, generator=g).to(dtype)
+            if dtype != torch.uint8
+            else torch.randint(0, 255, shape, generator=g, dtype=torch.uint8)
+        )
     return x.to(device)
 
 
@@ -64,6 +75,7 @@ LAYOUTS = ["contiguous", "transposed", "sliced", "expanded"]
 
 
 # ---- transpose01 ---------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -103,6 +115,7 @@ def test_state_helpers(device):
 
 
 # ---- split_contiguous / scatter / gather -----------------------------------------------------------------------
+
 
 def random_sizes(n, parts, rng):
     cuts = sorted(rng.randint(0, n) for _ in range(parts - 1))
@@ -182,19 +195,23 @@ def test_property_split_then_gather_is_identity(shape, data, dtype, layout):
 
 # ---- autograd, opcheck, compile --------------------------------------------------------------------------------
 
+
 def test_gradcheck_all_ops(device):
     x = torch.randn(5, 3, 2, dtype=torch.float64, device=device, requires_grad=True)
     y = torch.randn(5, 4, dtype=torch.float64, device=device, requires_grad=True)
     fwd = {"check_forward_ad": True}  # forward-mode AD too
     assert torch.autograd.gradcheck(lambda a, b: ops.transpose01(a, b), (x, y), **fwd)
-    assert torch.autograd.gradcheck(lambda a, b: tuple(sum(ops.split_contiguous([a, b], 0, [2, 0, 3]), [])), (x, y),
-                                    **fwd)
+    assert torch.autograd.gradcheck(
+        lambda a, b: tuple(sum(ops.split_contiguous([a, b], 0, [2, 0, 3]), [])), (x, y), **fwd
+    )
     assert torch.autograd.gradcheck(lambda a: tuple(ops.scatter([a], 1, [1, 2], [device] * 2)[0]), (x,), **fwd)
-    assert torch.autograd.gradcheck(lambda a, b: ops.gather([a, b[:, :3].unsqueeze(-1).expand(5, 3, 2)], 1, device),
-                                    (x, y), **fwd)
+    assert torch.autograd.gradcheck(
+        lambda a, b: ops.gather([a, b[:, :3].unsqueeze(-1).expand(5, 3, 2)], 1, device), (x, y), **fwd
+    )
     assert torch.autograd.gradgradcheck(lambda a: ops.transpose01(a)[0] * a.transpose(0, 1), (x,))
-    assert torch.autograd.gradgradcheck(lambda a: ops.gather(ops.split_contiguous([a], 2, [1, 1])[0], 2, device) * a,
-                                        (x,))
+    assert torch.autograd.gradgradcheck(
+        lambda a: ops.gather(ops.split_contiguous([a], 2, [1, 1])[0], 2, device) * a, (x,)
+    )
 
 
 def test_backward_with_unused_outputs_and_int_tensors(device):
@@ -217,8 +234,14 @@ def test_backward_with_unused_outputs_and_int_tensors(device):
         ("transpose01", lambda d: ([torch.randn(3, 4, 2, device=d, requires_grad=True), torch.randn(2, 5, device=d)],)),
         ("split_contiguous", lambda d: ([torch.randn(5, 3, device=d, requires_grad=True)], 0, [2, 3])),
         ("scatter", lambda d: ([torch.randn(2, 6, device=d, requires_grad=True)], 1, [4, 2], [torch.device(d)] * 2)),
-        ("gather", lambda d: ([torch.randn(2, 3, device=d, requires_grad=True), torch.randn(2, 1, device=d)], 1,
-                              torch.device(d))),
+        (
+            "gather",
+            lambda d: (
+                [torch.randn(2, 3, device=d, requires_grad=True), torch.randn(2, 1, device=d)],
+                1,
+                torch.device(d),
+            ),
+        ),
     ],
 )
 def test_opcheck(device, op, args):
@@ -242,6 +265,7 @@ def test_compile_fullgraph_with_backward():
 
 # ---- errors ---------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     "call,exc,match",
     [
@@ -250,12 +274,18 @@ def test_compile_fullgraph_with_backward():
         (lambda: ops.split_contiguous([torch.randn(5, 2)], 0, [6, -1]), ValueError, r"sizes\[1\] is -1"),
         (lambda: ops.split_contiguous([torch.randn(5, 2)], 2, [5]), IndexError, r"dim 2 is out of range.*\[-2, 1\]"),
         (lambda: ops.split_contiguous([torch.randn(5, 2)], -3, [5]), IndexError, r"dim -3 is out of range"),
-        (lambda: ops.split_contiguous([torch.randn(5, 2), torch.randn(4, 2)], 0, [5]), ValueError,
-         r"tensors\[1\] has size 4"),
+        (
+            lambda: ops.split_contiguous([torch.randn(5, 2), torch.randn(4, 2)], 0, [5]),
+            ValueError,
+            r"tensors\[1\] has size 4",
+        ),
         (lambda: ops.scatter([torch.randn(5, 2)], 0, [2, 3], ["cpu"]), ValueError, r"2 sizes but 1 devices"),
         (lambda: ops.gather([], 0, "cpu"), ValueError, r"chunks is empty"),
-        (lambda: ops.gather([torch.randn(2, 3), torch.randn(2, 4)], 0, "cpu"), ValueError,
-         r"chunks\[1\] has shape \(2, 4\)"),
+        (
+            lambda: ops.gather([torch.randn(2, 3), torch.randn(2, 4)], 0, "cpu"),
+            ValueError,
+            r"chunks\[1\] has shape \(2, 4\)",
+        ),
         (lambda: ops.gather([torch.randn(2, 3), torch.randn(2, 3).double()], 0, "cpu"), ValueError, r"dtype"),
         (lambda: ops.split_contiguous([torch.tensor(1.0)], 0, [1]), ValueError, r"0-dim"),
     ],
@@ -270,6 +300,7 @@ def test_errors(call, exc, match, path, monkeypatch):
 
 
 # ---- the direct call path (csrc/python_calls.cpp) ------------------------------------------------------------
+
 
 @needs_ext
 def test_fast_path_takes_plain_tensors_and_parameters():
@@ -362,6 +393,7 @@ def test_build_info_keys():
 
 
 # ---- CUDA only --------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.cuda
 @needs_ext
@@ -464,6 +496,7 @@ def test_many_dims_take_the_fallback_path(device):
 
 
 # ---- review regressions ------------------------------------------------------------------------------------------
+
 
 def test_negative_dim_wraps_per_tensor(device):
     """Tensors of different rank: dim -2 is axis 0 of a (5, 3) and axis 1 of a (2, 5, 3) (it was wrapped once,

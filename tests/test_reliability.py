@@ -138,8 +138,11 @@ def test_every_replica_failing_at_once_and_nothing_left_running():
     dp = dpfast.DataParallel(AllFail(), ["cpu"] * 4)
     before = threading.active_count()
     for _ in range(20):
-        with pytest.raises(InjectedFault, match=r"^replica 0 on cpu raised InjectedFault: chunk of 3 \(3 other "
-                                                r"replicas failed too\)$"):
+        with pytest.raises(
+            InjectedFault,
+            match=r"^replica 0 on cpu raised InjectedFault: chunk of 3 \(3 other "
+            r"replicas failed too\)$",
+        ):
             dp(torch.zeros(10))
     assert threading.active_count() <= before + 3
     assert all(t.daemon for t in threading.enumerate() if t.name.startswith("dpfast-worker"))
@@ -316,10 +319,19 @@ CTOR_ROWS = [
     ("device_ids-bool-entry", {"device_ids": [True]}, TypeError, r"device_ids\[0\] must be an int"),
     ("device_ids-bad-name", {"device_ids": ["cpu", "gpu"]}, ValueError, r"device_ids\[1\] is 'gpu', which is not a "),
     ("device_ids-negative", {"device_ids": [-1]}, ValueError, r"device_ids\[0\] is -1"),
-    ("device_ids-meta", {"device_ids": ["meta"]}, ValueError, r"device_ids\[0\] is 'meta'; dpfast\.DataParallel "
-                                                              r"runs on 'cpu' and CUDA devices"),
-    ("device_ids-mixed", {"device_ids": ["cpu", "cuda:0"]}, ValueError,
-     r"device_ids\[1\] is 'cuda:0' but CUDA is not available|device_ids mix device types"),
+    (
+        "device_ids-meta",
+        {"device_ids": ["meta"]},
+        ValueError,
+        r"device_ids\[0\] is 'meta'; dpfast\.DataParallel "
+        r"runs on 'cpu' and CUDA devices",
+    ),
+    (
+        "device_ids-mixed",
+        {"device_ids": ["cpu", "cuda:0"]},
+        ValueError,
+        r"device_ids\[1\] is 'cuda:0' but CUDA is not available|device_ids mix device types",
+    ),
     ("output_device-bad-name", {"output_device": "x"}, ValueError, r"output_device is 'x', which is not a device"),
     ("output_device-float", {"output_device": 1.5}, TypeError, r"output_device must be an int"),
     ("dim-str", {"dim": "0"}, TypeError, r"dim must be an int \(the batch axis\), got str '0'"),
@@ -328,8 +340,13 @@ CTOR_ROWS = [
     ("in_dims-bool", {"in_dims": True}, TypeError, r"in_dims must be None, an int, a sequence"),
     ("in_dims-float", {"in_dims": 0.5}, TypeError, r"in_dims must be None, an int, a sequence"),
     ("in_dims-set", {"in_dims": {0}}, TypeError, r"in_dims must be None, an int, a sequence"),
-    ("in_dims-unknown-name", {"in_dims": {"y": 0}}, TypeError, r"in_dims names 'y', which is not a parameter of "
-                                                               r"Counting\.forward\(x, lengths=None, mask=None\)"),
+    (
+        "in_dims-unknown-name",
+        {"in_dims": {"y": 0}},
+        TypeError,
+        r"in_dims names 'y', which is not a parameter of "
+        r"Counting\.forward\(x, lengths=None, mask=None\)",
+    ),
     ("in_dims-non-str-key", {"in_dims": {1: 0}}, TypeError, r"in_dims keys are forward's parameter names"),
     ("in_dims-too-many", {"in_dims": (0, 0, 0, 0)}, ValueError, r"in_dims has 4 specs but .* takes 3 positional"),
     ("in_dims-reduction", {"in_dims": {"x": "sum"}}, TypeError, r"in_dims\['x'\] is the string 'sum'"),
@@ -360,41 +377,126 @@ def _x(*shape):
 
 CALL_ROWS = [
     # (id, in_dims, args, kwargs, exception, regex naming the argument)
-    ("spec-tuple-for-tensor", {"x": (0, 1)}, (_x(4, 3),), {}, TypeError,
-     r"in_dims for `x` is a tuple of 2 specs, but `x` is a Tensor of shape \(4, 3\)"),
-    ("spec-length-mismatch", {"x": (0, 1)}, ((_x(4), _x(4), _x(4)),), {}, ValueError,
-     r"in_dims for `x` has 2 specs but `x` is a tuple of length 3"),
-    ("spec-dict-for-list", {"mask": {"a": 0}}, (_x(4, 3),), {"mask": [_x(4)]}, TypeError,
-     r"in_dims for `mask` is a dict with keys \['a'\], but `mask` is a list of length 1"),
-    ("spec-unknown-key", {"mask": {"b": 0}}, (_x(4, 3),), {"mask": {"a": _x(4)}}, ValueError,
-     r"in_dims for `mask` names \['b'\], which `mask` does not have"),
+    (
+        "spec-tuple-for-tensor",
+        {"x": (0, 1)},
+        (_x(4, 3),),
+        {},
+        TypeError,
+        r"in_dims for `x` is a tuple of 2 specs, but `x` is a Tensor of shape \(4, 3\)",
+    ),
+    (
+        "spec-length-mismatch",
+        {"x": (0, 1)},
+        ((_x(4), _x(4), _x(4)),),
+        {},
+        ValueError,
+        r"in_dims for `x` has 2 specs but `x` is a tuple of length 3",
+    ),
+    (
+        "spec-dict-for-list",
+        {"mask": {"a": 0}},
+        (_x(4, 3),),
+        {"mask": [_x(4)]},
+        TypeError,
+        r"in_dims for `mask` is a dict with keys \['a'\], but `mask` is a list of length 1",
+    ),
+    (
+        "spec-unknown-key",
+        {"mask": {"b": 0}},
+        (_x(4, 3),),
+        {"mask": {"a": _x(4)}},
+        ValueError,
+        r"in_dims for `mask` names \['b'\], which `mask` does not have",
+    ),
     ("dim-out-of-range", {"x": 2}, (_x(4, 3),), {}, dpfast.ScatterError, r"x .* axis 2 out of range for 2 dims"),
-    ("negative-dim-out-of-range", {"mask": -3}, (_x(4, 3),), {"mask": _x(4, 3)}, dpfast.ScatterError,
-     r"mask .* axis -3 out of range for 2 dims"),
-    ("0-dim-under-default", None, (_x(4, 3), None, torch.tensor(1.0)), {}, dpfast.ScatterError,
-     r"mask .*0-dim tensor has no batch axis: replicate it with None"),
-    ("0-dim-under-explicit", {"mask": 0}, (_x(4, 3),), {"mask": torch.tensor(1.0)}, dpfast.ScatterError,
-     r"(?s)mask .*0-dim tensor has no batch axis.*in_dims=\{'mask': None\}"),
-    ("list-under-explicit-int", {"lengths": 0}, (_x(4, 3), [3, 2, 2, 1]), {}, TypeError,
-     r"in_dims gives `lengths\[0\]` the batch axis 0, but it is an int, not a tensor; pass it as a tensor "
-     r"\(e\.g\. torch\.tensor\(\.\.\.\)\) to split it, or give it the spec None"),
-    ("str-under-explicit-int", {"mask": 0}, (_x(4, 3),), {"mask": "causal"}, TypeError,
-     r"`mask` the batch axis 0, but it is a str"),
-    ("batch-mismatch", None, (_x(4, 3), _x(5, 3)), {}, dpfast.ScatterError,
-     r"(?s)B = 4.*lengths +\(5, 3\) +0 +0 +5 +<- expected 4; no axis has size 4.*in_dims=\{'lengths': None\}"),
-    ("batch-mismatch-on-axis-1", None, (_x(4, 3),), {"mask": _x(2, 4)}, dpfast.ScatterError,
-     r"(?s)mask +\(2, 4\) .*<- expected 4; axis 1 has size 4.*in_dims=\{'mask': 1\}"),
-    ("packed-mismatch", None, (_x(4, 3), pack_sequence([_x(2, 1), _x(1, 1)])), {}, dpfast.ScatterError,
-     r"lengths +packed\(B=2"),
-    ("meta-tensor", None, (torch.zeros(4, 3, device="meta"),), {}, ValueError,
-     r"`x` is on meta, but device_ids are \['cpu', 'cpu'\]; inputs must be on the CPU"),
-    ("meta-tensor-replicated", {"mask": None}, (_x(4, 3),), {"mask": torch.zeros(3, device="meta")}, ValueError,
-     r"`mask` is on meta"),
+    (
+        "negative-dim-out-of-range",
+        {"mask": -3},
+        (_x(4, 3),),
+        {"mask": _x(4, 3)},
+        dpfast.ScatterError,
+        r"mask .* axis -3 out of range for 2 dims",
+    ),
+    (
+        "0-dim-under-default",
+        None,
+        (_x(4, 3), None, torch.tensor(1.0)),
+        {},
+        dpfast.ScatterError,
+        r"mask .*0-dim tensor has no batch axis: replicate it with None",
+    ),
+    (
+        "0-dim-under-explicit",
+        {"mask": 0},
+        (_x(4, 3),),
+        {"mask": torch.tensor(1.0)},
+        dpfast.ScatterError,
+        r"(?s)mask .*0-dim tensor has no batch axis.*in_dims=\{'mask': None\}",
+    ),
+    (
+        "list-under-explicit-int",
+        {"lengths": 0},
+        (_x(4, 3), [3, 2, 2, 1]),
+        {},
+        TypeError,
+        r"in_dims gives `lengths\[0\]` the batch axis 0, but it is an int, not a tensor; pass it as a tensor "
+        r"\(e\.g\. torch\.tensor\(\.\.\.\)\) to split it, or give it the spec None",
+    ),
+    (
+        "str-under-explicit-int",
+        {"mask": 0},
+        (_x(4, 3),),
+        {"mask": "causal"},
+        TypeError,
+        r"`mask` the batch axis 0, but it is a str",
+    ),
+    (
+        "batch-mismatch",
+        None,
+        (_x(4, 3), _x(5, 3)),
+        {},
+        dpfast.ScatterError,
+        r"(?s)B = 4.*lengths +\(5, 3\) +0 +0 +5 +<- expected 4; no axis has size 4.*in_dims=\{'lengths': None\}",
+    ),
+    (
+        "batch-mismatch-on-axis-1",
+        None,
+        (_x(4, 3),),
+        {"mask": _x(2, 4)},
+        dpfast.ScatterError,
+        r"(?s)mask +\(2, 4\) .*<- expected 4; axis 1 has size 4.*in_dims=\{'mask': 1\}",
+    ),
+    (
+        "packed-mismatch",
+        None,
+        (_x(4, 3), pack_sequence([_x(2, 1), _x(1, 1)])),
+        {},
+        dpfast.ScatterError,
+        r"lengths +packed\(B=2",
+    ),
+    (
+        "meta-tensor",
+        None,
+        (torch.zeros(4, 3, device="meta"),),
+        {},
+        ValueError,
+        r"`x` is on meta, but device_ids are \['cpu', 'cpu'\]; inputs must be on the CPU",
+    ),
+    (
+        "meta-tensor-replicated",
+        {"mask": None},
+        (_x(4, 3),),
+        {"mask": torch.zeros(3, device="meta")},
+        ValueError,
+        r"`mask` is on meta",
+    ),
 ]
 
 
-@pytest.mark.parametrize("in_dims, args, kwargs, exc, pattern", [r[1:] for r in CALL_ROWS],
-                         ids=[r[0] for r in CALL_ROWS])
+@pytest.mark.parametrize(
+    "in_dims, args, kwargs, exc, pattern", [r[1:] for r in CALL_ROWS], ids=[r[0] for r in CALL_ROWS]
+)
 def test_bad_inputs_refused_before_the_module_runs(in_dims, args, kwargs, exc, pattern):
     module = Counting()
     dp = dpfast.DataParallel(module, ["cpu"] * 2, in_dims=in_dims)
@@ -436,14 +538,31 @@ def test_non_tensors_under_default_dim_pass_by_reference():
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int64 if t.element_size() == 8 else torch.int32 if t.element_size() == 4
-                               else torch.int16 if t.element_size() == 2 else torch.uint8)
+    return t.contiguous().view(
+        torch.int64
+        if t.element_size() == 8
+        else torch.int32
+        if t.element_size() == 4
+        else torch.int16
+        if t.element_size() == 2
+        else torch.uint8
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 def test_nan_and_inf_pass_through_bit_exact(dtype):
-    x = torch.tensor([[math.nan, -math.nan], [math.inf, -math.inf], [-0.0, 0.0], [1e-40, -1e-40], [3.0, 1.0],
-                      [math.nan, 7.0], [math.inf, math.nan]], dtype=torch.float64).to(dtype)
+    x = torch.tensor(
+        [
+            [math.nan, -math.nan],
+            [math.inf, -math.inf],
+            [-0.0, 0.0],
+            [1e-40, -1e-40],
+            [3.0, 1.0],
+            [math.nan, 7.0],
+            [math.inf, math.nan],
+        ],
+        dtype=torch.float64,
+    ).to(dtype)
     x[0, 0] = torch.tensor(0x7FF0000000000123, dtype=torch.int64).view(torch.float64).to(dtype)  # a payload NaN
     mask = torch.tensor([math.nan, math.inf], dtype=dtype)
 
@@ -482,8 +601,16 @@ def test_huge_dims():
 
 # ---- properties: ops and planner ---------------------------------------------------------------------------------
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int8, torch.bool,
-          torch.complex64]
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int8,
+    torch.bool,
+    torch.complex64,
+]
 
 
 @st.composite
@@ -492,8 +619,11 @@ def tensors(draw, min_dims=1, max_dims=4):
     dtype = draw(st.sampled_from(DTYPES))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
     if dtype.is_floating_point or dtype.is_complex:
-        t = torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype) if not dtype.is_complex else \
-            torch.randn(*shape, generator=g, dtype=dtype)
+        t = (
+            torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+            if not dtype.is_complex
+            else torch.randn(*shape, generator=g, dtype=dtype)
+        )
     elif dtype == torch.bool:
         t = torch.randint(0, 2, shape, generator=g).bool()
     else:
@@ -557,8 +687,10 @@ def test_property_even_split_sums_and_differs_by_at_most_one(batch, n):
 
 
 @PROPS
-@given(st.integers(0, 10**6), st.lists(st.one_of(st.integers(0, 8), st.floats(0, 8)), min_size=1, max_size=12)
-       .filter(lambda w: sum(w) > 0))
+@given(
+    st.integers(0, 10**6),
+    st.lists(st.one_of(st.integers(0, 8), st.floats(0, 8)), min_size=1, max_size=12).filter(lambda w: sum(w) > 0),
+)
 def test_property_weighted_split_sums_and_is_proportional(batch, weights):
     ws = dpfast.DataParallel(nn.Identity(), ["cpu"] * len(weights), chunk_sizes=weights)._weights
     sizes = split_sizes(batch, len(weights), ws)
@@ -575,8 +707,9 @@ def dp_case(draw):
     t = draw(tensors())
     dim = draw(st.integers(-t.dim(), t.dim() - 1))
     n = draw(st.integers(1, 5))
-    weights = draw(st.one_of(st.none(), st.lists(st.integers(0, 3), min_size=n, max_size=n)
-                             .filter(lambda w: sum(w) > 0)))
+    weights = draw(
+        st.one_of(st.none(), st.lists(st.integers(0, 3), min_size=n, max_size=n).filter(lambda w: sum(w) > 0))
+    )
     return t, dim, n, weights
 
 

@@ -169,8 +169,16 @@ def _to_overwriting(m):
         torch.__future__.set_overwrite_module_params_on_conversion(old)
 
 
-REBUILDS = [_replace_weight, _add_parameter, _replace_buffer, _replace_submodule, _train, _plain_attribute,
-            _load_state_dict_assign, _to_overwriting]
+REBUILDS = [
+    _replace_weight,
+    _add_parameter,
+    _replace_buffer,
+    _replace_submodule,
+    _train,
+    _plain_attribute,
+    _load_state_dict_assign,
+    _to_overwriting,
+]
 
 
 @pytest.mark.parametrize("change", REBUILDS, ids=[f.__name__.strip("_") for f in REBUILDS])

@@ -46,8 +46,14 @@ def test_flatten_unflatten_roundtrip():
     value = {"p": Pair(torch.zeros(1), [None, (3, "s")]), "box": box, "t": (torch.ones(3),)}
     leaves, tdef = flatten(value)
     assert leaf_paths(tdef, "v") == [
-        "v['p'].a", "v['p'].b[0]", "v['p'].b[1][0]", "v['p'].b[1][1]", "v['box'].x", "v['box'].n",
-        "v['box'].cache[0]", "v['t'][0]",
+        "v['p'].a",
+        "v['p'].b[0]",
+        "v['p'].b[1][0]",
+        "v['p'].b[1][1]",
+        "v['box'].x",
+        "v['box'].n",
+        "v['box'].cache[0]",
+        "v['t'][0]",
     ]
     back = unflatten(tdef, leaves)
     assert type(back["p"]) is Pair and back["p"].b == [None, (3, "s")]
@@ -86,11 +92,17 @@ def test_var_args_and_kwargs():
     m = VarArgs()
     t = torch.zeros(1)
     assert _specs_of(m, [0, 1, None], (t, t, t)) == {"x": (0, True), "rest[0]": (1, True), "rest[1]": (None, True)}
-    assert _specs_of(m, {"rest": None}, (t, t, t)) == {"x": (0, False), "rest[0]": (None, True),
-                                                       "rest[1]": (None, True)}
+    assert _specs_of(m, {"rest": None}, (t, t, t)) == {
+        "x": (0, False),
+        "rest[0]": (None, True),
+        "rest[1]": (None, True),
+    }
     assert _specs_of(m, {"rest": (1, None)}, (t, t, t))["rest[0]"] == (1, True)
     assert _specs_of(m, {"mask": None}, (t,), {"mask": t, "other": t}) == {
-        "x": (0, False), "mask": (None, True), "other": (0, False)}
+        "x": (0, False),
+        "mask": (None, True),
+        "other": (0, False),
+    }
     assert _specs_of(m, {"extra": None}, (t,), {"mask": t}) == {"x": (0, False), "mask": (None, True)}
     with pytest.raises(ValueError, match=r"in_dims\['rest'\] is \(1, None\), but the call passes 3 extra"):
         _specs_of(m, {"rest": (1, None)}, (t, t, t, t))
@@ -98,8 +110,9 @@ def test_var_args_and_kwargs():
 
 def test_nested_prefix_specs():
     value = {"ids": torch.zeros(2, 3), "mask": torch.zeros(3, 3)}
-    specs = _specs_of(Sig(), {"x": {"mask": None}, "h": Pair(0, {"x": 1})},
-                      (value, Pair(torch.zeros(2), Box(torch.zeros(3, 2)))))
+    specs = _specs_of(
+        Sig(), {"x": {"mask": None}, "h": Pair(0, {"x": 1})}, (value, Pair(torch.zeros(2), Box(torch.zeros(3, 2))))
+    )
     assert specs == {
         "x['ids']": (0, False),  # a dict spec may name a subset of keys (or fields); the rest use dim
         "x['mask']": (None, True),
@@ -115,9 +128,12 @@ def test_nested_prefix_specs():
 @pytest.mark.parametrize(
     "kwargs, exc, match",
     [
-        (dict(in_dims={"hx": 1}), TypeError,
-         r"in_dims names 'hx', which is not a parameter of Sig.forward\(x, h, mask=None, \*, scale=1.0\); "
-         r"known names: x, h, mask, scale"),
+        (
+            dict(in_dims={"hx": 1}),
+            TypeError,
+            r"in_dims names 'hx', which is not a parameter of Sig.forward\(x, h, mask=None, \*, scale=1.0\); "
+            r"known names: x, h, mask, scale",
+        ),
         (dict(in_dims=[0, 1, None, 0]), ValueError, r"in_dims has 4 specs but .* takes 3 positional arguments"),
         (dict(in_dims={"h": 1.5}), TypeError, r"in_dims\['h'\] is float 1.5"),
         (dict(in_dims={"h": "mean"}), TypeError, r"in_dims\['h'\] is the string 'mean'"),
@@ -170,31 +186,85 @@ class Boom(nn.Module):
 @pytest.mark.parametrize(
     "in_dims, args, kwargs, exc, match",
     [
-        ({"h": (0, 1)}, (torch.zeros(2, 3), torch.zeros(2, 3)), {}, TypeError,
-         r"in_dims for `h` is a tuple of 2 specs, but `h` is a Tensor of shape \(2, 3\)"),
-        ({"h": (0, 1)}, (torch.zeros(2, 3), (torch.zeros(2), torch.zeros(1, 2), torch.zeros(2))), {}, ValueError,
-         r"in_dims for `h` has 2 specs but `h` is a tuple of length 3"),
-        ({"h": {"c": 1}}, (torch.zeros(2, 3), {"h": torch.zeros(2)}), {}, ValueError,
-         r"in_dims for `h` names \['c'\], which `h` does not have"),
-        ({"h": {"c": 1}}, (torch.zeros(2, 3), [torch.zeros(2)]), {}, TypeError,
-         r"in_dims for `h` is a dict with keys \['c'\], but `h` is a list of length 1"),
-        ({"h": 0}, (torch.zeros(2, 3), [3, 4]), {}, TypeError,
-         r"in_dims gives `h\[0\]` the batch axis 0, but it is an int, not a tensor; pass it as a tensor "
-         r"\(e\.g\. torch\.tensor\(\.\.\.\)\) to split it, or give it the spec None"),
-        ({"mask": 0}, (torch.zeros(2, 3),), {"mask": "causal"}, TypeError,
-         r"`mask` the batch axis 0, but it is a str"),
-        (None, (torch.zeros(2, 3), torch.tensor(1.0)), {}, dpfast.ScatterError,
-         r"h     \(\)      0     -     -     <- 0-dim tensor has no batch axis: replicate it with None"),
-        ({"h": 2}, (torch.zeros(2, 3), torch.zeros(2, 3)), {}, dpfast.ScatterError,
-         r"h     \(2, 3\)  2     -     -     <- axis 2 out of range for 2 dims; axis 0 has size 2"),
-        ({"h": -3}, (torch.zeros(2, 3), torch.zeros(2, 3)), {}, dpfast.ScatterError,
-         r"axis -3 out of range for 2 dims"),
-        (None, (torch.zeros(4, 3),), {"h": (torch.zeros(1, 4, 2), torch.zeros(1, 4, 2)), "mask": torch.zeros(3, 3)},
-         dpfast.ScatterError, r"suggested fix: DataParallel\(\.\.\., in_dims=\{'h': 1, 'mask': None\}\)"),
-        ({"h": {"a": 0}}, (torch.zeros(4, 3), {"a": torch.zeros(4), "b": torch.zeros(2, 4)}), {},
-         dpfast.ScatterError, r"in_dims=\{'h': \{'a': 0, 'b': 1\}\}"),
-        (1, (torch.zeros(3, 4), torch.zeros(4, 3)), {}, dpfast.ScatterError,
-         r"suggested fix: DataParallel\(\.\.\., dim=1, in_dims=\{'h': 0\}\)"),
+        (
+            {"h": (0, 1)},
+            (torch.zeros(2, 3), torch.zeros(2, 3)),
+            {},
+            TypeError,
+            r"in_dims for `h` is a tuple of 2 specs, but `h` is a Tensor of shape \(2, 3\)",
+        ),
+        (
+            {"h": (0, 1)},
+            (torch.zeros(2, 3), (torch.zeros(2), torch.zeros(1, 2), torch.zeros(2))),
+            {},
+            ValueError,
+            r"in_dims for `h` has 2 specs but `h` is a tuple of length 3",
+        ),
+        (
+            {"h": {"c": 1}},
+            (torch.zeros(2, 3), {"h": torch.zeros(2)}),
+            {},
+            ValueError,
+            r"in_dims for `h` names \['c'\], which `h` does not have",
+        ),
+        (
+            {"h": {"c": 1}},
+            (torch.zeros(2, 3), [torch.zeros(2)]),
+            {},
+            TypeError,
+            r"in_dims for `h` is a dict with keys \['c'\], but `h` is a list of length 1",
+        ),
+        (
+            {"h": 0},
+            (torch.zeros(2, 3), [3, 4]),
+            {},
+            TypeError,
+            r"in_dims gives `h\[0\]` the batch axis 0, but it is an int, not a tensor; pass it as a tensor "
+            r"\(e\.g\. torch\.tensor\(\.\.\.\)\) to split it, or give it the spec None",
+        ),
+        ({"mask": 0}, (torch.zeros(2, 3),), {"mask": "causal"}, TypeError, r"`mask` the batch axis 0, but it is a str"),
+        (
+            None,
+            (torch.zeros(2, 3), torch.tensor(1.0)),
+            {},
+            dpfast.ScatterError,
+            r"h     \(\)      0     -     -     <- 0-dim tensor has no batch axis: replicate it with None",
+        ),
+        (
+            {"h": 2},
+            (torch.zeros(2, 3), torch.zeros(2, 3)),
+            {},
+            dpfast.ScatterError,
+            r"h     \(2, 3\)  2     -     -     <- axis 2 out of range for 2 dims; axis 0 has size 2",
+        ),
+        (
+            {"h": -3},
+            (torch.zeros(2, 3), torch.zeros(2, 3)),
+            {},
+            dpfast.ScatterError,
+            r"axis -3 out of range for 2 dims",
+        ),
+        (
+            None,
+            (torch.zeros(4, 3),),
+            {"h": (torch.zeros(1, 4, 2), torch.zeros(1, 4, 2)), "mask": torch.zeros(3, 3)},
+            dpfast.ScatterError,
+            r"suggested fix: DataParallel\(\.\.\., in_dims=\{'h': 1, 'mask': None\}\)",
+        ),
+        (
+            {"h": {"a": 0}},
+            (torch.zeros(4, 3), {"a": torch.zeros(4), "b": torch.zeros(2, 4)}),
+            {},
+            dpfast.ScatterError,
+            r"in_dims=\{'h': \{'a': 0, 'b': 1\}\}",
+        ),
+        (
+            1,
+            (torch.zeros(3, 4), torch.zeros(4, 3)),
+            {},
+            dpfast.ScatterError,
+            r"suggested fix: DataParallel\(\.\.\., dim=1, in_dims=\{'h': 0\}\)",
+        ),
     ],
 )
 def test_call_errors_before_any_call(in_dims, args, kwargs, exc, match):
@@ -239,7 +309,11 @@ def test_suggestion_for_var_args_and_no_signature():
     specs = ArgumentSpecs(m.forward, [0, None], 0)
     tree = ArgumentTree(specs, (torch.zeros(1), torch.zeros(1), torch.zeros(1)), {"alpha": 2})
     assert [(lf.path, lf.spec) for lf in tree.leaves] == [
-        ("args[0]", 0), ("args[1]", None), ("args[2]", 0), ("kwargs['alpha']", 0)]
+        ("args[0]", 0),
+        ("args[1]", None),
+        ("args[2]", 0),
+        ("kwargs['alpha']", 0),
+    ]
     assert specs.suggestion({"args[2]": None}) == "in_dims=[0, None, None]"
 
 

@@ -81,8 +81,9 @@ def test_lstm_packed_sequence_matches_plain_module(lengths, enforce_sorted, with
     torch.testing.assert_close(c, ref_c)
 
     loss = (padded * _weights(padded)).sum() + (h * _weights(h)).sum() + (c * _weights(c)).sum()
-    ref_loss = (ref_padded * _weights(ref_padded)).sum() + (ref_h * _weights(ref_h)).sum() + \
-        (ref_c * _weights(ref_c)).sum()
+    ref_loss = (
+        (ref_padded * _weights(ref_padded)).sum() + (ref_h * _weights(ref_h)).sum() + (ref_c * _weights(ref_c)).sum()
+    )
     loss.backward()
     ref_loss.backward()
     for (name, p), (_, q) in zip(module.named_parameters(), reference.named_parameters()):
@@ -236,7 +237,8 @@ def test_namedtuple_and_ordereddict_specs():
     od = collections.OrderedDict(z=torch.randn(4), a=torch.randn(3, 4))
     dd = collections.defaultdict(list, {"k": torch.randn(4, 1)})
     dp = dpfast.DataParallel(
-        Containers(), ["cpu"] * 2,
+        Containers(),
+        ["cpu"] * 2,
         in_dims={"p": Point(0, None), "od": collections.OrderedDict(z=0, a=1)},
         out_dims=(Point(0, None), {"a": 1}, 0),
     )
@@ -281,7 +283,8 @@ def test_mixed_structures_with_packed_sequence_inside_a_dataclass():
         return Sample(pack_sequence(seqs, enforce_sorted=False), {"dense": [dense[0], dense[1]]}, meta)
 
     dp = dpfast.DataParallel(
-        module, ["cpu"] * 3,
+        module,
+        ["cpu"] * 3,
         in_dims={"sample": {"feats": {"dense": [0, 1]}}, "table": None},
         out_dims={"h": 1, "y": [0, 1]},
     )
@@ -318,12 +321,18 @@ def test_non_tensor_outputs_once_when_equal_else_one_per_replica():
 
 def test_spec_naming_a_field_the_dataclass_lacks():
     dp = dpfast.DataParallel(DCModel(), ["cpu"] * 2, in_dims={"b": {"masks": None}})
-    with pytest.raises(ValueError, match=r"in_dims for `b` names \['masks'\], which `b` does not have; it is a Batch "
-                                         r"with fields \['x', 'mask', 'tag'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"in_dims for `b` names \['masks'\], which `b` does not have; it is a Batch "
+        r"with fields \['x', 'mask', 'tag'\]",
+    ):
         dp(Batch(torch.randn(4, 3), torch.randn(3, 3)))
     dp = dpfast.DataParallel(DCModel(), ["cpu"] * 2, in_dims={"b": {"mask": None}}, out_dims={"totals": "sum"})
-    with pytest.raises(ValueError, match=r"out_dims for `output` names \['totals'\], which `output` does not have; "
-                                         r"it is a Result with fields \['y', 'total', 'tag', 'count'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"out_dims for `output` names \['totals'\], which `output` does not have; "
+        r"it is a Result with fields \['y', 'total', 'tag', 'count'\]",
+    ):
         dp(Batch(torch.randn(4, 3), torch.randn(3, 3)))
 
 
@@ -331,13 +340,19 @@ def test_dataclass_spec_errors():
     with pytest.raises(TypeError, match=r"in_dims\['b'\].tag is the string 'train'; an in_dims spec is an int"):
         dpfast.DataParallel(DCModel(), ["cpu"] * 2, in_dims={"b": Batch(x=0, mask=None)})
     dp = dpfast.DataParallel(DCModel(), ["cpu"] * 2, in_dims={"b": Result(y=0, total=None, tag=None)})
-    with pytest.raises(TypeError, match=r"in_dims for `b` is a Result instance, but `b` is a Batch with fields "
-                                        r"\['x', 'mask', 'tag'\]; a dataclass spec matches a value of the same "
-                                        r"dataclass"):
+    with pytest.raises(
+        TypeError,
+        match=r"in_dims for `b` is a Result instance, but `b` is a Batch with fields "
+        r"\['x', 'mask', 'tag'\]; a dataclass spec matches a value of the same "
+        r"dataclass",
+    ):
         dp(Batch(torch.randn(4, 3), torch.randn(3, 3)))
     dp = dpfast.DataParallel(DCModel(), ["cpu"] * 2, in_dims={"b": {"x": 0}})  # mask under the default dim 0
-    with pytest.raises(dpfast.ScatterError, match=r"(?s)b\.mask .* \(3, 3\).*suggested fix: DataParallel\(\.\.\., "
-                                                 r"in_dims=\{'b': \{'x': 0, 'mask': None, 'tag': None\}\}\)"):
+    with pytest.raises(
+        dpfast.ScatterError,
+        match=r"(?s)b\.mask .* \(3, 3\).*suggested fix: DataParallel\(\.\.\., "
+        r"in_dims=\{'b': \{'x': 0, 'mask': None, 'tag': None\}\}\)",
+    ):
         dp(Batch(torch.randn(4, 3), torch.randn(3, 3)))
 
 

@@ -7,7 +7,7 @@ export TORCH_CUDA_ARCH_LIST ?= 9.0
 export DPFAST_CUDA ?= auto
 PYTEST_ARGS ?=
 
-.PHONY: all venv build test sanitize demo bench info clean
+.PHONY: all venv build test lint sanitize demo bench info clean
 
 all: test
 
@@ -15,7 +15,7 @@ all: test
 $(VENV)/.deps: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q "torch>=2.4" ninja pytest hypothesis expecttest numpy matplotlib
+	$(PY) -m pip install -q "torch>=2.4" ninja pytest hypothesis expecttest numpy matplotlib ruff
 	touch $@
 
 venv: $(VENV)/.deps
@@ -25,8 +25,12 @@ build: venv
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	$(PY) -m dpfast info
 
-test: build
+test: build lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # The CPU extension under AddressSanitizer + UBSan (build/sanitize), the op tests and a seeded fuzzer against it.
 FUZZ_SECONDS ?= 60

@@ -29,7 +29,8 @@ import platform
 import statistics
 import sys
 import time
-from typing import Callable, Optional, Sequence
+from collections.abc import Sequence
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -237,7 +238,7 @@ def run_batch(batch: int, device: torch.device, budget_s: float, rounds: int, no
     return row
 
 
-def plot(rows: list, device: str, path: str) -> Optional[str]:
+def plot(rows: list, device: str, path: str) -> str | None:
     try:
         import matplotlib
 
@@ -271,7 +272,7 @@ def plot(rows: list, device: str, path: str) -> Optional[str]:
     return path
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="benchmarks/bench_dp.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and rounds (about 15 s on the CPU)")

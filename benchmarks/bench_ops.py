@@ -1,7 +1,8 @@
 """Fused ops vs plain PyTorch vs a clone of the same bytes (the copy ceiling).
 
 Each size is measured with the variants interleaved (round-robin); times are medians over rounds and ratios are
-medians of the per-round ratios, so they compare like with like even on a noisy machine. Prints a table, writes benchmarks/results/bench_ops.json and a PNG.
+medians of the per-round ratios, so they compare like with like even on a noisy machine. Prints a table, writes
+benchmarks/results/bench_ops.json and a PNG.
 
     python benchmarks/bench_ops.py [--device cpu|cuda] [--quick] [--out DIR]
 """
@@ -97,8 +98,8 @@ def cases(device: str, quick: bool):
             f"({rows},1024)",
             nbytes,
             {
-                "dpfast": lambda x=x: ops.split_contiguous([x], 1, sizes),
-                "torch": lambda x=x: [p.contiguous() for p in torch.split(x, sizes, 1)],
+                "dpfast": lambda x=x, sizes=sizes: ops.split_contiguous([x], 1, sizes),
+                "torch": lambda x=x, sizes=sizes: [p.contiguous() for p in torch.split(x, sizes, 1)],
                 "clone": lambda x=x: x.clone(),
             },
         )

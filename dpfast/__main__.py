@@ -22,9 +22,9 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Optional, Sequence
 
 SOURCE_ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES_DIR = SOURCE_ROOT / "examples"
@@ -86,10 +86,10 @@ def _exit_code(result: object) -> int:
     return 0
 
 
-# ---- info -------------------------------------------------------------------------------------------------------------
+# ---- info ------------------------------------------------------------------------------------------------------------
 
 
-def _covers(arch_list: Optional[str], major: int, minor: int) -> Optional[bool]:
+def _covers(arch_list: str | None, major: int, minor: int) -> bool | None:
     """Whether TORCH_CUDA_ARCH_LIST-style ``arch_list`` ("8.0;9.0+PTX") has code that runs on sm_<major><minor>."""
     if not arch_list:
         return None
@@ -190,7 +190,7 @@ def _registered_kernels(torch) -> str:
 # ---- demo ---------------------------------------------------------------------------------------------------------
 
 
-def demo(devices: str = "auto", only: Optional[Sequence[str]] = None, quiet: bool = False) -> int:
+def demo(devices: str = "auto", only: Sequence[str] | None = None, quiet: bool = False) -> int:
     names = [n for n, _ in EXAMPLES]
     chosen = list(only) if only else names
     unknown = [n for n in chosen if n not in names]
@@ -314,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     # `bench` forwards what it does not know (including --help after `ops`/`dp`) to the scripts

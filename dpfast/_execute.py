@@ -27,7 +27,8 @@ import os
 import queue
 import threading
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -64,7 +65,7 @@ class _State:
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*self.saved_tensors_hooks))
 
 
-def _saved_tensors_hooks() -> Optional[tuple[Callable, Callable]]:
+def _saved_tensors_hooks() -> tuple[Callable, Callable] | None:
     """The innermost ``(pack, unpack)`` saved-tensor hooks of this thread (the only ones that apply), or None."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     if top is None:  # pragma: no cover - torch without the query: the replicas run without the caller's hooks
@@ -72,7 +73,7 @@ def _saved_tensors_hooks() -> Optional[tuple[Callable, Callable]]:
     return top(False)
 
 
-def _autocast_state(device_type: str) -> Optional[tuple[torch.dtype, bool]]:
+def _autocast_state(device_type: str) -> tuple[torch.dtype, bool] | None:
     """``(dtype, cache_enabled)`` when autocast is on for ``device_type`` in this thread, else None."""
     try:
         enabled = torch.is_autocast_enabled(device_type)
@@ -107,7 +108,7 @@ def run_replicas(
     modules: Sequence[nn.Module],
     inputs: Sequence[tuple[tuple, dict]],
     devices: Sequence[torch.device],
-    pool: Optional["_Pool"] = None,
+    pool: _Pool | None = None,
 ) -> list[Any]:
     """``modules[i](*inputs[i][0], **inputs[i][1])`` for every ``i``, concurrently; results in replica order."""
     n = len(modules)
@@ -117,7 +118,7 @@ def run_replicas(
             return [modules[0](*args, **kwargs)]
     state = _State(devices)
     results: list[Any] = [None] * n
-    errors: list[Optional[BaseException]] = [None] * n
+    errors: list[BaseException | None] = [None] * n
 
     def work(i: int) -> None:
         try:
@@ -138,7 +139,7 @@ def run_replicas(
             started += 1
         work(0)
     finally:
-        interrupted: Optional[BaseException] = None
+        interrupted: BaseException | None = None
         for ev in done[:started]:
             while not ev.is_set():  # wait even if the caller is interrupted while waiting, then re-raise that
                 try:
@@ -167,10 +168,10 @@ def run_replicas(
 
 
 class _Worker(threading.Thread):
-    def __init__(self, pool: "_Pool", name: str):
+    def __init__(self, pool: _Pool, name: str):
         super().__init__(name=name, daemon=True)
         self.pool = weakref.ref(pool)  # the owner's deletion must be able to collect the pool
-        self.tasks: "queue.SimpleQueue[Optional[tuple[Callable[[], None], threading.Event]]]" = queue.SimpleQueue()
+        self.tasks: queue.SimpleQueue[tuple[Callable[[], None], threading.Event] | None] = queue.SimpleQueue()
 
     def run(self) -> None:
         while True:

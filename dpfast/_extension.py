@@ -10,7 +10,6 @@ import importlib
 import os
 import warnings
 from types import ModuleType
-from typing import Optional
 
 import torch
 
@@ -19,8 +18,8 @@ _BUILD_HINT = (
     "CUDA kernels are compiled when DPFAST_CUDA=1, or DPFAST_CUDA=auto and nvcc is found"
 )
 
-C: Optional[ModuleType] = None
-LOAD_ERROR: Optional[str] = None
+C: ModuleType | None = None
+LOAD_ERROR: str | None = None
 
 try:
     C = importlib.import_module("dpfast._C")  # registers torch.ops.dpfast.* as a side effect
@@ -60,7 +59,7 @@ def build_info() -> dict:
     return info
 
 
-def _build_reason() -> Optional[str]:
+def _build_reason() -> str | None:
     """Why CUDA kernels were (not) built, as setup.py wrote it beside the extension."""
     try:
         with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_build_reason.txt")) as f:

@@ -10,7 +10,8 @@ into what the ops' schemas take, and refuse the rest with a ``TypeError`` naming
 from __future__ import annotations
 
 import operator
-from typing import Any, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, Union
 
 import torch
 from torch import Tensor
@@ -105,7 +106,7 @@ def check_transpose01(xs: Sequence[Tensor]) -> None:
     for i, x in enumerate(xs):
         torch._check_value(
             x.dim() >= 2,
-            lambda: (
+            lambda i=i, x=x: (
                 f"transpose01: tensors[{i}] has shape {tuple(x.shape)} ({x.dim()} dims); every tensor needs at "
                 "least 2 dims to swap dims 0 and 1"
             ),
@@ -116,7 +117,7 @@ def check_split(op: str, xs: Sequence[Tensor], dim: int, sizes: Sequence[int]) -
     """Chunk sizes >= 0 summing to each tensor's size along ``dim`` (wrapped per tensor); returns the wrapped dims."""
     check_same_device(op, xs)
     for j, s in enumerate(sizes):
-        torch._check_value(s >= 0, lambda: f"{op}: sizes[{j}] is {s}; chunk sizes must be >= 0")
+        torch._check_value(s >= 0, lambda j=j, s=s: f"{op}: sizes[{j}] is {s}; chunk sizes must be >= 0")
     total = sum(sizes)
     if isinstance(total, int) and total > INT64_MAX:  # the C++ sum would wrap around
         raise ValueError(f"{op}: sizes {list(sizes)} sum past 2**63 - 1; the sizes must sum to the size of dim {dim}")
@@ -125,7 +126,7 @@ def check_split(op: str, xs: Sequence[Tensor], dim: int, sizes: Sequence[int]) -
         d = wrap_dim(op, "tensors", i, x, dim)
         torch._check_value(
             total == x.shape[d],
-            lambda: (
+            lambda i=i, x=x, d=d: (
                 f"{op}: sizes {list(sizes)} sum to {total} but tensors[{i}] has size {x.shape[d]} along dim "
                 f"{dim} (shape {tuple(x.shape)}); the sizes must sum to that axis"
             ),
@@ -157,7 +158,7 @@ def check_gather(chunks: Sequence[Tensor], dim: int) -> tuple[int, list]:
         )
         torch._check_value(
             same,
-            lambda: (
+            lambda i=i, c=c: (
                 f"gather: chunks[{i}] has shape {tuple(c.shape)} and dtype {c.dtype} but chunks[0] has "
                 f"{tuple(ref.shape)} and {ref.dtype}; chunks must agree in dtype and in every dim except {dim}"
             ),

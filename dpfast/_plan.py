@@ -12,8 +12,9 @@ from __future__ import annotations
 import math
 import numbers
 from collections import Counter
+from collections.abc import Sequence
 from fractions import Fraction
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -31,7 +32,7 @@ class ScatterError(ValueError):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def validate_chunk_sizes(chunk_sizes: Optional[Sequence[float]], n_devices: int) -> Optional[list[Fraction]]:
+def validate_chunk_sizes(chunk_sizes: Sequence[float] | None, n_devices: int) -> list[Fraction] | None:
     """Relative weights per device (exact fractions), or ``None`` for an even split."""
     if chunk_sizes is None:
         return None
@@ -60,7 +61,7 @@ def validate_chunk_sizes(chunk_sizes: Optional[Sequence[float]], n_devices: int)
     return out
 
 
-def split_sizes(batch: int, n: int, weights: Optional[Sequence[Fraction]] = None) -> list[int]:
+def split_sizes(batch: int, n: int, weights: Sequence[Fraction] | None = None) -> list[int]:
     """Per-device chunk sizes summing to ``batch``: as even as possible (earlier devices take the remainder), or
     proportional to ``weights`` by largest remainder (ties to earlier devices; weight 0 always gets 0)."""
     if batch < 0:
@@ -97,9 +98,9 @@ class Mapped:
     def __init__(self, leaf, arg: int):
         self.leaf = leaf
         self.arg = arg
-        self.axis: Optional[int] = None
-        self.size: Optional[int] = None
-        self.problem: Optional[str] = None
+        self.axis: int | None = None
+        self.size: int | None = None
+        self.problem: str | None = None
         v, spec = leaf.value, leaf.spec
         if isinstance(v, PackedSequence):
             self.size = packed_batch(v)
@@ -144,7 +145,7 @@ def mapped_leaves(tree: ArgumentTree) -> list[Mapped]:
     return out
 
 
-def choose_batch(mapped: Sequence[Mapped]) -> Optional[int]:
+def choose_batch(mapped: Sequence[Mapped]) -> int | None:
     votes: dict[int, int] = {}
     for m in mapped:
         if m.size is not None and m.arg not in votes:
@@ -158,7 +159,7 @@ def choose_batch(mapped: Sequence[Mapped]) -> Optional[int]:
     return max(counts, key=lambda s: (counts[s], -first[s]))
 
 
-def check_batch(tree: ArgumentTree, specs: ArgumentSpecs, mapped: Sequence[Mapped]) -> Optional[int]:
+def check_batch(tree: ArgumentTree, specs: ArgumentSpecs, mapped: Sequence[Mapped]) -> int | None:
     """``B``, or ``None`` when nothing is mapped; raises :class:`ScatterError` on any disagreement."""
     batch = choose_batch(mapped)
     bad = [m for m in mapped if m.problem is not None or m.size != batch]
@@ -167,7 +168,7 @@ def check_batch(tree: ArgumentTree, specs: ArgumentSpecs, mapped: Sequence[Mappe
     raise ScatterError(_scatter_message(tree, specs, mapped, bad, batch))
 
 
-def _suggest_axis(m: Mapped, batch: Optional[int]) -> Spec:
+def _suggest_axis(m: Mapped, batch: int | None) -> Spec:
     v = m.leaf.value
     if batch is not None and isinstance(v, Tensor):
         for ax, s in enumerate(v.shape):
@@ -194,10 +195,7 @@ def _scatter_message(tree, specs, mapped, bad, batch) -> str:
     for m in mapped:
         note = ""
         if id(m) in bad_ids:
-            if m.problem is not None:
-                note = m.problem
-            else:
-                note = f"expected {batch}"
+            note = m.problem if m.problem is not None else f"expected {batch}"
             ax = _suggest_axis(m, batch)
             if isinstance(m.leaf.value, Tensor) and m.leaf.value.dim() == 0:
                 note += ": replicate it with None"
@@ -272,10 +270,10 @@ class Plan:
     def __init__(
         self,
         mode: str,
-        batch_size: Optional[int],
+        batch_size: int | None,
         devices: Sequence[torch.device],
         sizes: Sequence[int],
-        output_device: Optional[torch.device],
+        output_device: torch.device | None,
         rows: Sequence[tuple[str, str, str, list[str]]],
         reason: str = "",
     ):

@@ -28,7 +28,8 @@ import itertools
 import operator
 import threading
 from collections import OrderedDict
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Sequence
+from typing import Callable
 
 import torch
 from torch import nn
@@ -54,7 +55,7 @@ def _targets(source: torch.device, devices: Sequence[torch.device]) -> tuple[lis
     """``(slot_of, targets)``: for each entry of ``devices``, None (the module itself) or an index into
     ``targets``, the devices that get a copy (each distinct other device once)."""
     targets: list[torch.device] = []
-    slot_of: list[Optional[int]] = []
+    slot_of: list[int | None] = []
     seen_source = False
     for d in devices:
         if d == source and not (_COPY_ON_SOURCE_DEVICE and seen_source):
@@ -218,10 +219,10 @@ class ReplicaCache:
     max_sets = 4
 
     def __init__(self) -> None:
-        self._sets: "OrderedDict[tuple, _ReplicaSet]" = OrderedDict()
+        self._sets: OrderedDict[tuple, _ReplicaSet] = OrderedDict()
         self._lock = threading.Lock()
         self.builds = 0  # how many times replicas were built (tests read it)
-        self._tree: Optional[tuple] = None
+        self._tree: tuple | None = None
 
     def __reduce__(self):  # deepcopy / pickle of the owning DataParallel: start empty
         return (ReplicaCache, ())

@@ -19,7 +19,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-from typing import Any, Callable, Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any, Callable
 
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
@@ -63,7 +64,7 @@ class TreeDef:
         self.orig = orig
         self.orig_values = orig_values
 
-    def same_structure(self, other: "TreeDef") -> bool:
+    def same_structure(self, other: TreeDef) -> bool:
         if self.kind != other.kind or self.keys != other.keys or len(self.children) != len(other.children):
             return False
         if self.kind != "leaf" and self.kind != "dataclass" and self.meta is not other.meta:
@@ -88,7 +89,7 @@ class TreeDef:
 LEAF = TreeDef("leaf")
 
 
-def node_kind(obj: Any) -> Optional[str]:
+def node_kind(obj: Any) -> str | None:
     """The container kind of ``obj``, or ``None`` for a leaf."""
     if isinstance(obj, Tensor) or obj is None:
         return None
@@ -342,7 +343,7 @@ def match_spec(
             raise ValueError(
                 f"{what} for `{path}` names {unknown!r}, which `{path}` does not have; it is {describe_value(value)}"
             )
-        specs = [spec[k] if k in spec else _DEFAULT for k in keys]
+        specs = [spec.get(k, _DEFAULT) for k in keys]
     else:  # pragma: no cover - validate_spec rejects everything else at construction
         raise TypeError(f"{what} for `{path}`: unsupported spec {spec!r}")
     meta = value if kind == "dataclass" else type(value)
@@ -387,15 +388,15 @@ class ArgumentSpecs:
         self.dim = dim
         self.user_in_dims = in_dims
         try:
-            sig: Optional[inspect.Signature] = inspect.signature(forward)
+            sig: inspect.Signature | None = inspect.signature(forward)
         except (TypeError, ValueError):
             sig = None
         self.has_signature = sig is not None
         self.forward_name = getattr(forward, "__qualname__", getattr(forward, "__name__", "forward"))
         self.pos_names: list[str] = []
         self.named: set[str] = set()
-        self.var_pos: Optional[str] = None
-        self.var_kw: Optional[str] = None
+        self.var_pos: str | None = None
+        self.var_kw: str | None = None
         if sig is not None:
             for p in sig.parameters.values():
                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):

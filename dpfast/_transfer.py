@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numbers
 import warnings
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -42,7 +43,7 @@ def scatter_tree(
     each distinct device once (the original where it already is), everything else by reference."""
     n = len(devices)
     index = {id(leaf): k for k, leaf in enumerate(tree.leaves)}
-    per_leaf: list[Optional[list]] = [None] * len(tree.leaves)
+    per_leaf: list[list | None] = [None] * len(tree.leaves)
 
     groups: dict[tuple[torch.device, int], list[Mapped]] = {}
     for m in mapped:

@@ -7,7 +7,8 @@ sample, and checks every input before anything is copied or run.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, Union
 
 import torch
 from torch import nn
@@ -48,7 +49,7 @@ def _device(d: DeviceLike, what: str) -> torch.device:
     return dev
 
 
-def _public(dev: torch.device) -> Union[int, torch.device]:
+def _public(dev: torch.device) -> int | torch.device:
     """How torch.nn.DataParallel exposes a device: its index for CUDA (we keep torch.device('cpu') for the CPU)."""
     return dev.index if dev.type == "cuda" else dev
 
@@ -91,13 +92,13 @@ class DataParallel(nn.Module):
     def __init__(
         self,
         module: nn.Module,
-        device_ids: Optional[Sequence[DeviceLike]] = None,
-        output_device: Optional[DeviceLike] = None,
+        device_ids: Sequence[DeviceLike] | None = None,
+        output_device: DeviceLike | None = None,
         dim: int = 0,
         *,
         in_dims: Any = None,
         out_dims: Spec = None,
-        chunk_sizes: Optional[Sequence[float]] = None,
+        chunk_sizes: Sequence[float] | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -122,7 +123,7 @@ class DataParallel(nn.Module):
             self.output_device = None
             self.src_device_obj = None
             self._devices: list[torch.device] = []
-            self._output_device: Optional[torch.device] = None
+            self._output_device: torch.device | None = None
             self._weights = None
             return
         if device_ids is None:

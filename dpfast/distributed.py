@@ -55,7 +55,8 @@ from __future__ import annotations
 import hashlib
 import math
 import numbers
-from typing import Any, NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -86,7 +87,7 @@ class Share(NamedTuple):
 
     rank: int
     world_size: int
-    batch_size: Optional[int]
+    batch_size: int | None
     sizes: tuple  # rows per rank; () when nothing is split
     start: int
     stop: int
@@ -108,7 +109,7 @@ def _take(
     length: int,
     sizes: Sequence[int],
     index: int,
-    subs: Optional[dict] = None,
+    subs: dict | None = None,
 ) -> tuple[tuple, dict]:
     """The call's ``(args, kwargs)`` with every mapped leaf cut to rows ``start:start+length`` along its axis.
 
@@ -139,7 +140,7 @@ def _take(
     return tree.rebuild(values)
 
 
-def _rank_world(rank: Optional[int], world_size: Optional[int], group=None) -> tuple[int, int]:
+def _rank_world(rank: int | None, world_size: int | None, group=None) -> tuple[int, int]:
     if rank is None or world_size is None:
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError(
@@ -157,10 +158,10 @@ def _rank_world(rank: Optional[int], world_size: Optional[int], group=None) -> t
 
 def shard_range(
     n: int,
-    rank: Optional[int] = None,
-    world_size: Optional[int] = None,
+    rank: int | None = None,
+    world_size: int | None = None,
     *,
-    chunk_sizes: Optional[Sequence[float]] = None,
+    chunk_sizes: Sequence[float] | None = None,
 ) -> range:
     """The indices ``range(start, stop)`` of ``n`` items that ``rank`` owns: the same contiguous, as-even-as-possible
     split (earlier ranks take the remainder, ``chunk_sizes`` weights ranks) that :class:`DistributedDataParallel`
@@ -173,10 +174,10 @@ def shard_range(
 
 def shard_dataset(
     dataset,
-    rank: Optional[int] = None,
-    world_size: Optional[int] = None,
+    rank: int | None = None,
+    world_size: int | None = None,
     *,
-    chunk_sizes: Optional[Sequence[float]] = None,
+    chunk_sizes: Sequence[float] | None = None,
 ) -> torch.utils.data.Subset:
     """``rank``'s contiguous share of a map-style dataset, as a :class:`torch.utils.data.Subset` (see
     :func:`shard_range`). For per-rank loading: every rank must still run the same number of steps (DDP's gradient
@@ -191,12 +192,12 @@ def _one_batch(batch):  # the signature shard_batch binds its in_dims to
 
 def shard_batch(
     batch: Any,
-    rank: Optional[int] = None,
-    world_size: Optional[int] = None,
+    rank: int | None = None,
+    world_size: int | None = None,
     *,
     in_dims: Spec = None,
     dim: int = 0,
-    chunk_sizes: Optional[Sequence[float]] = None,
+    chunk_sizes: Sequence[float] | None = None,
 ) -> Any:
     """``rank``'s share of one global ``batch`` (a tensor or any tuple/list/dict/namedtuple/dataclass tree of them),
     cut exactly as :class:`DistributedDataParallel` cuts its inputs.
@@ -277,7 +278,7 @@ class _AverageInputGrads(torch.autograd.Function):
     def backward(ctx, *grads):
         out: list = [None] * len(grads)
         by_dtype: dict = {}
-        for i, (shape, dtype, device) in enumerate(ctx.meta):
+        for i, (_, dtype, _) in enumerate(ctx.meta):
             by_dtype.setdefault(dtype, []).append(i)
         for dtype, idx in by_dtype.items():
             flat = [
@@ -317,7 +318,7 @@ class _ExchangePlan:
 
     # forward ------------------------------------------------------------------------------------------------
     def forward(self, tensors: Sequence[Tensor]) -> list[Tensor]:
-        outs: list[Optional[Tensor]] = [None] * len(tensors)
+        outs: list[Tensor | None] = [None] * len(tensors)
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, t in enumerate(tensors):
             by_dtype.setdefault(t.dtype, []).append(i)
@@ -379,10 +380,10 @@ class _ExchangePlan:
             o += n
 
     # backward -----------------------------------------------------------------------------------------------
-    def backward(self, grads: Sequence[Optional[Tensor]]) -> list[Optional[Tensor]]:
-        out: list[Optional[Tensor]] = [None] * len(grads)
+    def backward(self, grads: Sequence[Tensor | None]) -> list[Tensor | None]:
+        out: list[Tensor | None] = [None] * len(grads)
         by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, g in enumerate(grads):
+        for i in range(len(grads)):
             if self.dtypes[i].is_floating_point or self.dtypes[i].is_complex:
                 by_dtype.setdefault(self.dtypes[i], []).append(i)
         for dtype, idx in by_dtype.items():
@@ -453,13 +454,13 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     def __init__(
         self,
         module: nn.Module,
-        device_ids: Optional[Sequence[Any]] = None,
+        device_ids: Sequence[Any] | None = None,
         output_device: Any = None,
         *,
         in_dims: Any = None,
         out_dims: Spec = None,
         dim: int = 0,
-        chunk_sizes: Optional[Sequence[float]] = None,
+        chunk_sizes: Sequence[float] | None = None,
         gather_outputs: bool = False,
         check_batch: Any = True,
         **ddp_kwargs: Any,
@@ -491,8 +492,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             self._comm_device = torch.device("cuda", torch.cuda.current_device())
         else:
             self._comm_device = torch.device("cpu")
-        self.share: Optional[Share] = None
-        self._ghost: Optional[tuple[tuple, dict]] = None
+        self.share: Share | None = None
+        self._ghost: tuple[tuple, dict] | None = None
 
     # -- properties -----------------------------------------------------------------------------------------
 
@@ -508,10 +509,10 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     # -- the call -------------------------------------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        local_error: Optional[BaseException] = None
-        batch: Optional[int] = None
+        local_error: BaseException | None = None
+        batch: int | None = None
         mapped: list[Mapped] = []
-        tree: Optional[ArgumentTree] = None
+        tree: ArgumentTree | None = None
         try:
             # binding can fail on one rank only (a structure that does not match its spec): that rank must reach
             # the agreement below too, or the others wait there for it
@@ -607,10 +608,10 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
 
     def _local_summary(
         self,
-        tree: Optional[ArgumentTree],
+        tree: ArgumentTree | None,
         mapped: Sequence[Mapped],
-        batch: Optional[int],
-        error: Optional[BaseException],
+        batch: int | None,
+        error: BaseException | None,
     ) -> str:
         if error is not None:
             first = str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -622,10 +623,10 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
 
     def _agree(
         self,
-        tree: Optional[ArgumentTree],
+        tree: ArgumentTree | None,
         mapped: Sequence[Mapped],
-        batch: Optional[int],
-        error: Optional[BaseException],
+        batch: int | None,
+        error: BaseException | None,
     ) -> None:
         items: list[Any] = [self._specs.signature_text]
         if tree is not None:
@@ -713,7 +714,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         weights: list[float] = []
         # An output this rank cannot gather (its own structure or shape) is reported through the exchange below,
         # so that every rank raises instead of the others waiting in it.
-        local_error: Optional[BaseException] = None
+        local_error: BaseException | None = None
         try:
             tdef = match_spec(out, spec, "output", self.dim, self.out_dims is not None, "out_dims", leaves)
             for leaf in leaves:
@@ -817,7 +818,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             table = [b.tolist() for b in bodies]
             rows_per_cat = [[table[q][j] for q in range(W)] for j in range(n_cat)]
         assert tdef is not None
-        rows: list[Optional[list[int]]] = []
+        rows: list[list[int] | None] = []
         j = 0
         for k in kinds:
             if k == "cat":

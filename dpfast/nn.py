@@ -27,7 +27,7 @@ conversions included, traces under ``fullgraph=True``.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import torch
 from torch import Tensor
@@ -68,7 +68,7 @@ class _StateBatchFirst:
     # ---- helpers ----
 
     @staticmethod
-    def _batch_size(input: RNNInput, batch_first: bool) -> Optional[int]:
+    def _batch_size(input: RNNInput, batch_first: bool) -> int | None:
         """The batch size of a batched input, ``None`` for an unbatched (2-D) one."""
         if isinstance(input, PackedSequence):
             return int(input.batch_sizes[0])
@@ -120,7 +120,7 @@ class LSTM(_StateBatchFirst, torch.nn.LSTM):
         super().__init__(*args, state_batch_first=state_batch_first, **kwargs)
 
     def forward(  # type: ignore[override]
-        self, input: RNNInput, hx: Optional[LSTMState] = None
+        self, input: RNNInput, hx: LSTMState | None = None
     ) -> tuple[RNNInput, LSTMState]:
         if not self.state_batch_first:
             return super().forward(input, hx)
@@ -149,7 +149,7 @@ class GRU(_StateBatchFirst, torch.nn.GRU):
         super().__init__(*args, state_batch_first=state_batch_first, **kwargs)
 
     def forward(  # type: ignore[override]
-        self, input: RNNInput, hx: Optional[Tensor] = None
+        self, input: RNNInput, hx: Tensor | None = None
     ) -> tuple[RNNInput, Tensor]:
         if not self.state_batch_first:
             return super().forward(input, hx)
@@ -166,7 +166,7 @@ class RNN(_StateBatchFirst, torch.nn.RNN):
         super().__init__(*args, state_batch_first=state_batch_first, **kwargs)
 
     def forward(  # type: ignore[override]
-        self, input: RNNInput, hx: Optional[Tensor] = None
+        self, input: RNNInput, hx: Tensor | None = None
     ) -> tuple[RNNInput, Tensor]:
         if not self.state_batch_first:
             return super().forward(input, hx)

@@ -9,7 +9,8 @@ Result layout: ``split_contiguous`` and ``scatter`` return ``out[i][j]``, chunk 
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from collections.abc import Sequence
+from typing import Union
 
 import torch
 from torch import Tensor

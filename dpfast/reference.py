@@ -6,7 +6,8 @@ Results are fresh contiguous tensors (never views of the inputs), as the fused o
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, Callable, Union
 
 import torch
 from torch import Tensor

@@ -6,7 +6,8 @@ Not part of dpfast's API; kept small so each example reads top to bottom.
 from __future__ import annotations
 
 import argparse
-from typing import Any, Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -70,7 +71,7 @@ class Report:
     def compare(self, what: str, actual: Any, expected: Any, rtol: float = 1e-9, atol: float = 1e-11) -> bool:
         """``actual`` and ``expected`` (tensors, or tuples/lists of them) must be equal to float64 rounding."""
         a, e = list(_tensors(actual)), list(_tensors(expected))
-        problem: Optional[str] = None
+        problem: str | None = None
         worst = 0.0
         if len(a) != len(e):
             problem = f"{len(a)} tensors vs {len(e)}"
@@ -105,7 +106,7 @@ class Report:
         return not self.failures
 
 
-def _tensors(obj: Any) -> Iterable[Optional[Tensor]]:
+def _tensors(obj: Any) -> Iterable[Tensor | None]:
     if obj is None or isinstance(obj, Tensor):
         yield obj
     elif isinstance(obj, (tuple, list)):
@@ -118,7 +119,7 @@ def _tensors(obj: Any) -> Iterable[Optional[Tensor]]:
         raise TypeError(f"cannot compare a {type(obj).__name__}")
 
 
-def show_scatter_error(report: Report, dp: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[str]:
+def show_scatter_error(report: Report, dp: torch.nn.Module, args: tuple, kwargs: dict) -> str | None:
     """Call ``dp`` expecting :class:`dpfast.ScatterError`; print it and return its message (None if not raised)."""
     if len(dp.device_ids) < 2:  # one device: like torch, nothing is split, so nothing can be split wrongly
         report.say("(one device: nothing is split, so there is no error to show; try --devices cpu:4)")

@@ -29,8 +29,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import dpfast  # noqa: E402
 from rrn import IN_DIMS, OUT_DIMS, Config, build_model, make_batch, reason, sgd_step  # noqa: E402
+
+import dpfast  # noqa: E402
 
 
 def setup() -> torch.device:

@@ -28,7 +28,7 @@ import copy
 import dataclasses
 import sys
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
@@ -58,7 +58,7 @@ class MLP(nn.Module):
     """
 
     def __init__(self, input_dim, hidden_dims, output_dim, dropout=False, dropout_p=0.5):
-        super(MLP, self).__init__()
+        super().__init__()
         layers = []
         last = input_dim
         for dim in hidden_dims:
@@ -90,10 +90,11 @@ class RRN(nn.Module):
     ):
         """
         :param edge_attribute_dim: 0 if edges have no attributes, else an integer. Default 0.
-        :param single_output: True if RRN emits only one output at a time, False if it emits as many outputs as units. Default False.
+        :param single_output: True if RRN emits only one output at a time, False if it emits as many outputs as
+            units. Default False.
         """
 
-        super(RRN, self).__init__()
+        super().__init__()
 
         self.dim_hidden = dim_hidden
         self.dim_input = dim_hidden
@@ -126,7 +127,8 @@ class RRN(nn.Module):
         :param x: inputs to the RRN nodes
         :param hidden: hidden states of RRN nodes (B, N_facts, H)
         :param h: hidden and cell states of g
-        :param edge_attributes: (B, Q_dim) tensor containing edge attribute or None if edges have no attributes. Default None.
+        :param edge_attributes: (B, Q_dim) tensor containing edge attribute or None if edges have no attributes.
+            Default None.
         """
 
         n_facts = hidden.size(1)
@@ -205,7 +207,7 @@ def build_model(cfg: Config, device="cpu") -> RRN:
     ).to(device)
 
 
-def make_batch(cfg: Config, generator: torch.Generator, device="cpu", batch: Optional[int] = None):
+def make_batch(cfg: Config, generator: torch.Generator, device="cpu", batch: int | None = None):
     """Facts ``x`` of shape (B, N_facts, dim_hidden) and a label per fact, which depends on the other facts."""
     b = cfg.batch if batch is None else batch
     x = torch.randn(b, cfg.n_facts, cfg.dim_hidden, generator=generator)
@@ -295,7 +297,7 @@ def check_against_plain(
 # ---- main ------------------------------------------------------------------------------------------------------------
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="examples/rrn.py", description=__doc__.split("\n\n")[0])
     add_example_args(parser, Config.batch, Config.train_steps)
     args = parser.parse_args(argv)
@@ -336,8 +338,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     ok = check_against_plain(model, device_ids, x, target, cfg.reasoning_steps, report)
     ok = ok and error is not None and all(map(lambda v: v == v, losses))  # the loss is never NaN
+    what = "one device, nothing split" if error == "one device" else "ScatterError without the spec"
     print(
-        f"[rrn] {'PASS' if ok else 'FAIL'}: {'one device, nothing split' if error == 'one device' else 'ScatterError without the spec'}, {len(losses)} training steps "
+        f"[rrn] {'PASS' if ok else 'FAIL'}: {what}, {len(losses)} training steps "
         f"(loss {losses[0]:.3f} -> {losses[-1]:.3f}), {report.passed} equality checks"
         + ("" if ok else f"; failures: {report.failures}")
     )

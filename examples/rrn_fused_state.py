@@ -29,7 +29,7 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +53,8 @@ class RRNFusedState(RRN):
         :param x: inputs to the RRN nodes
         :param hidden: hidden states of RRN nodes (B, N_facts, H)
         :param h: hidden and cell states of g, batch-first: ((B, g_layers, H), (B, g_layers, H))
-        :param edge_attributes: (B, Q_dim) tensor containing edge attribute or None if edges have no attributes. Default None.
+        :param edge_attributes: (B, Q_dim) tensor containing edge attribute or None if edges have no attributes.
+            Default None.
         """
 
         n_facts = hidden.size(1)
@@ -173,7 +174,7 @@ def check_against_seed(
     return ok
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="examples/rrn_fused_state.py", description=__doc__.split("\n\n")[0])
     add_example_args(parser, Config.batch, Config.train_steps)
     args = parser.parse_args(argv)

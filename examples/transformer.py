@@ -30,7 +30,7 @@ import math
 import sys
 import time
 import warnings
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
@@ -165,7 +165,7 @@ def get_tgt_mask(size) -> torch.Tensor:
     mask = torch.tril(torch.ones(size, size) == 1)  # Lower triangular matrix
     mask = mask.float()
     mask = mask.masked_fill(mask == 0, float("-inf"))  # Convert zeros to -inf
-    mask = mask.masked_fill(mask == 1, float(0.0))  # Convert ones to 0
+    mask = mask.masked_fill(mask == 1, 0.0)  # Convert ones to 0
     return mask
 
 
@@ -203,7 +203,7 @@ def build_model(cfg: Config, device="cpu") -> Transformer:
     ).to(device)
 
 
-def make_batch(cfg: Config, generator: torch.Generator, device="cpu", batch: Optional[int] = None):
+def make_batch(cfg: Config, generator: torch.Generator, device="cpu", batch: int | None = None):
     """A copy task with padding: X (B, S) random words with a padded tail, y = SOS + the first words of X."""
     b = cfg.batch if batch is None else batch
     X = torch.randint(2, cfg.tokens, (b, cfg.src_len), generator=generator)
@@ -284,7 +284,7 @@ def check_against_plain(
 # ---- main ------------------------------------------------------------------------------------------------------------
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="examples/transformer.py", description=__doc__.split("\n\n")[0])
     add_example_args(parser, Config.batch, Config.train_steps)
     args = parser.parse_args(argv)
@@ -325,8 +325,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ok = check_against_plain(model, device_ids, X, y, report)
     ok &= check_against_plain(model, device_ids, X, y, report, call_with_keywords=False)
     ok = ok and error is not None and all(v == v for v in losses)  # the loss is never NaN
+    what = "one device, nothing split" if error == "one device" else "ScatterError without the spec"
     print(
-        f"[transformer] {'PASS' if ok else 'FAIL'}: {'one device, nothing split' if error == 'one device' else 'ScatterError without the spec'}, {len(losses)} training steps "
+        f"[transformer] {'PASS' if ok else 'FAIL'}: {what}, {len(losses)} training steps "
         f"(loss {losses[0]:.3f} -> {losses[-1]:.3f}), {report.passed} equality checks"
         + ("" if ok else f"; failures: {report.failures}")
     )

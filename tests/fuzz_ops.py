@@ -320,9 +320,9 @@ def run(seconds: float, seed: int, rounds: int, verbose: bool) -> int:
         truncate = gen.r.random() < 0.05 and op != "gather"  # gather returns one tensor: nothing to truncate
         results = {}
         for path, fn in (
-            ("reference", lambda: getattr(ref, op)(*args)),
-            ("dpfast.ops", lambda: getattr(ops, op)(*args)),
-            ("torch.ops path", lambda: boxed(op, args)),
+            ("reference", lambda op=op, args=args: getattr(ref, op)(*args)),
+            ("dpfast.ops", lambda op=op, args=args: getattr(ops, op)(*args)),
+            ("torch.ops path", lambda op=op, args=args: boxed(op, args)),
         ):
             if truncate and path != "reference":
                 with Truncating():

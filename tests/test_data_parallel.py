@@ -114,14 +114,14 @@ def check_against_module(factory, args, kwargs=None, n=3, expected=None, **dp_kw
         _loss(ref).backward()
         for (name, p), (_, q) in zip(module.named_parameters(), reference.named_parameters()):
             assert p.grad is not None, name
-            torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"grad of {name}: {m}")
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad of {name}: {m}")
         for x, y in zip(_leaves((a1, k1)), _leaves((a2, k2))):
             if isinstance(x, torch.Tensor) and x.requires_grad and y.grad is not None:
                 torch.testing.assert_close(x.grad, y.grad)
     return out
 
 
-# ---- modules ----------------------------------------------------------------------------------------------------------
+# ---- modules ---------------------------------------------------------------------------------------------------------
 
 
 class MLP(nn.Module):
@@ -334,7 +334,7 @@ def test_none_output_is_replica_zero_value_and_numbers_reduce():
     assert out["mean_n"] == pytest.approx((3 * 3 + 2 * 2 + 2 * 2) / 7)
 
 
-# ---- the two seed models -----------------------------------------------------------------------------------------------
+# ---- the two seed models ---------------------------------------------------------------------------------------------
 
 
 class Seq(nn.Module):
@@ -681,7 +681,7 @@ def test_saved_tensor_hooks_reach_every_replica():
     assert packed == []  # the hooks did not stay behind in the workers
 
 
-# ---- torch compatibility ----------------------------------------------------------------------------------------------
+# ---- torch compatibility ---------------------------------------------------------------------------------------------
 
 
 def test_state_dict_keys_and_attributes_match_torch():

@@ -124,7 +124,7 @@ def _assert_tree_close(actual, expected, what):
     assert a_spec == e_spec, f"{what}: structure {a_spec} != {e_spec}"
     for i, (a, e) in enumerate(zip(a_leaves, e_leaves)):
         if isinstance(e, torch.Tensor):
-            torch.testing.assert_close(a, e, msg=lambda m: f"{what} leaf {i}: {m}")
+            torch.testing.assert_close(a, e, msg=lambda m, i=i: f"{what} leaf {i}: {m}")
         else:
             assert a == pytest.approx(e), f"{what} leaf {i}: {a} != {e}"
 
@@ -158,7 +158,7 @@ def _compare_with_full_batch(factory, inputs, loss_fn, ddp_kwargs, steps=1):
     got, want = _grads(ddp.module), _grads(ref)
     for name in want:
         assert got[name] is not None, f"{name}: no gradient"
-        torch.testing.assert_close(got[name], want[name], msg=lambda m: f"grad of {name}: {m}")
+        torch.testing.assert_close(got[name], want[name], msg=lambda m, name=name: f"grad of {name}: {m}")
     _assert_tree_close(
         torch.utils._pytree.tree_map(lambda t: t.grad, in_ddp),
         torch.utils._pytree.tree_map(lambda t: t.grad, in_ref),
@@ -372,7 +372,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _run_group(world):
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as outdir:
@@ -393,7 +393,11 @@ def _run_group(world):
         results = {}
         for r in range(world):
             path = os.path.join(outdir, f"rank{r}.json")
-            results[r] = json.load(open(path)) if os.path.exists(path) else {}
+            if os.path.exists(path):
+                with open(path) as f:
+                    results[r] = json.load(f)
+            else:
+                results[r] = {}
         codes = [p.exitcode for p in procs]
     return results, hung, codes
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -69,7 +69,7 @@ def run_and_compare(
     ours: torch.nn.Module,
     ref: torch.nn.Module,
     make_input: Any,
-    layer_first_state: Optional[list[Tensor]],
+    layer_first_state: list[Tensor] | None,
     to_ours: Any,
 ) -> None:
     """Run both modules on the same data; ``to_ours`` maps a layer-first state tensor to our layout.
@@ -116,7 +116,9 @@ def run_and_compare(
             torch.testing.assert_close(a.grad, to_ours(b.grad), rtol=0, atol=1e-11)
     for (name, p), (name_r, p_r) in zip(ours.named_parameters(), ref.named_parameters()):
         assert name == name_r
-        torch.testing.assert_close(p.grad, p_r.grad, rtol=0, atol=1e-11, msg=lambda m: f"grad of {name}: {m}")
+        torch.testing.assert_close(
+            p.grad, p_r.grad, rtol=0, atol=1e-11, msg=lambda m, name=name: f"grad of {name}: {m}"
+        )
 
 
 def batch_first_of(s: Tensor) -> Tensor:

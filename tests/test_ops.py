@@ -442,7 +442,7 @@ def test_cuda_graph_capture_with_many_jobs():
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         outs = ops.transpose01(*xs)
-    for k in range(3):
+    for _k in range(3):
         for x in xs:
             x.copy_(torch.randn_like(x))
         junk = [torch.full((4096,), 7, dtype=torch.uint8).pin_memory().to("cuda", non_blocking=True) for _ in range(8)]

@@ -15,7 +15,6 @@ import threading
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import dpfast
@@ -84,7 +83,7 @@ def test_replicas_are_copies_built_once_and_gradients_sum_back(copies):
     src = _net()
     plain = copy.deepcopy(src)
     dp = dpfast.DataParallel(src, ["cpu"] * 3)
-    for step in range(4):
+    for _step in range(4):
         src.seen.clear()
         _check_step(dp, plain, _x(7))
         ids = {s[0] for s in src.seen}
@@ -265,7 +264,7 @@ def test_seed_rrn_lstm_through_persistent_copies(copies):
     plain = copy.deepcopy(src)
     dp = dpfast.DataParallel(src, ["cpu"] * 4, in_dims=IN_DIMS, out_dims=OUT_DIMS)
     gen = torch.Generator().manual_seed(3)
-    for step in range(3):
+    for _step in range(3):
         x = torch.randn(10, cfg.n_facts, cfg.dim_hidden, generator=gen, dtype=DT)
         h = tuple(torch.randn(1, 10, cfg.dim_hidden, generator=gen, dtype=DT) for _ in range(2))
         src.zero_grad(set_to_none=True)

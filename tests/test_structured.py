@@ -87,7 +87,7 @@ def test_lstm_packed_sequence_matches_plain_module(lengths, enforce_sorted, with
     loss.backward()
     ref_loss.backward()
     for (name, p), (_, q) in zip(module.named_parameters(), reference.named_parameters()):
-        torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"grad of {name}: {m}")
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad of {name}: {m}")
     for a, b in zip(s1, s2):
         torch.testing.assert_close(a.grad, b.grad)
     if with_state:

@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
-from ._specs import ArgumentSpecs, ArgumentTree, Spec, spec_tree_repr
+from ._binding import ArgumentSpecs, ArgumentTree
+from ._specs import Spec, spec_tree_repr
 
 
 class ScatterError(ValueError):

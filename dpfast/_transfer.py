@@ -17,8 +17,10 @@ from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from . import ops
+from ._binding import ArgumentTree
 from ._plan import Mapped
-from ._specs import ArgumentTree, Spec, SpecLeaf, describe_value, flatten, match_spec, unflatten
+from ._specs import Spec, SpecLeaf, match_spec
+from ._tree import describe_value, flatten, unflatten
 
 # ---------------------------------------------------------------------------------------------------------------
 # In: scatter

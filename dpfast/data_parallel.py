@@ -14,10 +14,11 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
+from ._binding import ArgumentSpecs, ArgumentTree, forward_of
 from ._execute import _Pool, run_replicas
 from ._plan import Plan, check_batch, choose_batch, mapped_leaves, plan_rows, split_sizes, validate_chunk_sizes
 from ._replicas import ReplicaCache
-from ._specs import ArgumentSpecs, ArgumentTree, Spec, forward_of, validate_spec
+from ._specs import Spec, validate_spec
 from ._transfer import gather_outputs, move_tree, scatter_tree
 
 DeviceLike = Union[int, str, torch.device]

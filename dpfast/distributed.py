@@ -64,9 +64,11 @@ from torch import Tensor, nn
 from torch.distributed.utils import _to_kwargs
 from torch.nn.utils.rnn import PackedSequence
 
+from ._binding import ArgumentSpecs, ArgumentTree, forward_of
 from ._plan import Mapped, ScatterError, check_batch, mapped_leaves, shape_text, split_sizes, validate_chunk_sizes
-from ._specs import ArgumentSpecs, ArgumentTree, Spec, SpecLeaf, forward_of, match_spec, unflatten, validate_spec
+from ._specs import Spec, SpecLeaf, match_spec, validate_spec
 from ._transfer import scatter_packed
+from ._tree import unflatten
 
 __all__ = [
     "DistributedDataParallel",

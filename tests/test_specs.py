@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 import dpfast
-from dpfast._specs import ArgumentSpecs, ArgumentTree, flatten, leaf_paths, unflatten
+from dpfast._binding import ArgumentSpecs, ArgumentTree
+from dpfast._tree import flatten, leaf_paths, unflatten
 
 Pair = namedtuple("Pair", ["a", "b"])
 

@@ -1,0 +1,205 @@
+"""Binding ``in_dims`` to ``forward``'s signature, so ``f(x, mask=m)`` and ``f(x, m)`` split alike, and one call's
+arguments flattened into leaves with their specs (:class:`ArgumentTree`).
+
+Paths are rooted at the argument names from ``forward``'s signature (``x``, ``h[0]``, ``batch['mask']``); without
+a usable signature the roots are ``args[i]`` and ``kwargs['name']``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any, Callable
+
+from ._specs import Spec, SpecLeaf, is_int, is_leaf_spec, match_spec, validate_spec
+from ._tree import TreeDef, unflatten_from
+
+
+def forward_of(module: Any) -> Callable:
+    """The ``forward`` whose signature names the arguments. ``torch.compile(model)`` returns a wrapper whose
+    ``forward`` is ``(*args, **kwargs)``: names in ``in_dims`` would then bind to nothing, so look through it."""
+    inner = getattr(module, "_orig_mod", None)
+    if inner is not None and type(module).__name__ == "OptimizedModule":
+        return forward_of(inner)
+    return module.forward
+
+
+class ArgumentSpecs:
+    """``in_dims`` resolved against ``forward``'s signature, so ``f(x, mask=m)`` and ``f(x, m)`` split alike.
+
+    ``in_dims`` is ``None`` (every argument uses ``dim``), an ``int`` (that axis for every argument), a sequence
+    (spec ``i`` for forward's ``i``-th positional parameter, then the ``*args`` extras), or a dict keyed by forward's
+    parameter names (the ``*args``/``**kwargs`` names themselves, or any keyword when forward takes ``**kwargs``).
+    """
+
+    def __init__(self, forward: Callable, in_dims: Any, dim: int):
+        if not is_int(dim):
+            raise TypeError(f"dim must be an int (the batch axis), got {type(dim).__name__} {dim!r}")
+        self.dim = dim
+        self.user_in_dims = in_dims
+        try:
+            sig: inspect.Signature | None = inspect.signature(forward)
+        except (TypeError, ValueError):
+            sig = None
+        self.has_signature = sig is not None
+        self.forward_name = getattr(forward, "__qualname__", getattr(forward, "__name__", "forward"))
+        self.pos_names: list[str] = []
+        self.named: set[str] = set()
+        self.var_pos: str | None = None
+        self.var_kw: str | None = None
+        if sig is not None:
+            for p in sig.parameters.values():
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+                    self.pos_names.append(p.name)
+                    if p.kind == p.POSITIONAL_OR_KEYWORD:
+                        self.named.add(p.name)
+                elif p.kind == p.KEYWORD_ONLY:
+                    self.named.add(p.name)
+                elif p.kind == p.VAR_POSITIONAL:
+                    self.var_pos = p.name
+                elif p.kind == p.VAR_KEYWORD:
+                    self.var_kw = p.name
+        self.signature_text = f"{self.forward_name}{sig}" if sig is not None else self.forward_name
+
+        self.default: Spec = dim  # spec for arguments in_dims does not name
+        self.by_name: dict[str, Spec] = {}  # parameter name -> spec
+        self.by_index: dict[int, Spec] = {}  # positional index -> spec, when forward has no usable signature
+        self.extras: dict[int, Spec] = {}  # index into *args extras -> spec (from a sequence in_dims)
+
+        if in_dims is None:
+            return
+        if is_int(in_dims):
+            self.default = in_dims
+            return
+        if isinstance(in_dims, (tuple, list)):
+            for i, s in enumerate(in_dims):
+                validate_spec(s, f"in_dims[{i}]", allow_reductions=False)
+            if sig is None:
+                self.by_index = dict(enumerate(in_dims))
+                return
+            n = len(self.pos_names)
+            if len(in_dims) > n and self.var_pos is None:
+                raise ValueError(
+                    f"in_dims has {len(in_dims)} specs but {self.signature_text} takes {n} positional "
+                    f"argument{'s' if n != 1 else ''}; give at most one spec per positional parameter"
+                )
+            for i, s in enumerate(in_dims):
+                if i < n:
+                    self.by_name[self.pos_names[i]] = s
+                else:
+                    self.extras[i - n] = s
+            return
+        if isinstance(in_dims, dict):
+            if sig is None:
+                raise TypeError(
+                    f"in_dims is a dict, but the signature of {self.forward_name} cannot be read to bind names; "
+                    "give in_dims as a sequence by position instead"
+                )
+            known = self.pos_names + sorted(self.named - set(self.pos_names))
+            known += [n for n in (self.var_pos, self.var_kw) if n is not None]
+            for k, s in in_dims.items():
+                if not isinstance(k, str):
+                    raise TypeError(
+                        f"in_dims keys are forward's parameter names (str), got {type(k).__name__} {k!r}; "
+                        "use a sequence for specs by position"
+                    )
+                if k not in known and self.var_kw is None:
+                    raise TypeError(
+                        f"in_dims names {k!r}, which is not a parameter of {self.signature_text}; "
+                        f"known names: {', '.join(known) if known else '(none)'}"
+                    )
+                validate_spec(s, f"in_dims[{k!r}]", allow_reductions=False)
+                self.by_name[k] = s
+            return
+        raise TypeError(
+            f"in_dims must be None, an int, a sequence of specs (by position) or a dict of specs keyed by "
+            f"{self.forward_name}'s parameter names; got {type(in_dims).__name__} {in_dims!r}"
+        )
+
+    # -- per call --------------------------------------------------------------------------------------------
+
+    def positional(self, i: int, n_given: int) -> tuple[str, str, Spec, bool]:
+        """``(argument name, path, spec, explicit)`` for the ``i``-th positional argument of a call."""
+        if not self.has_signature:
+            if i in self.by_index:
+                return f"args[{i}]", f"args[{i}]", self.by_index[i], True
+            return f"args[{i}]", f"args[{i}]", self.default, False
+        if i < len(self.pos_names):
+            name = self.pos_names[i]
+            if name in self.by_name:
+                return name, name, self.by_name[name], True
+            return name, name, self.default, False
+        j = i - len(self.pos_names)
+        var = self.var_pos or "args"
+        path = f"{var}[{j}]"
+        if j in self.extras:
+            return var, path, self.extras[j], True
+        if self.var_pos is not None and self.var_pos in self.by_name:
+            s = self.by_name[self.var_pos]
+            if is_leaf_spec(s):
+                return var, path, s, True
+            n_extra = n_given - len(self.pos_names)
+            if isinstance(s, (tuple, list)) and len(s) == n_extra:
+                return var, path, s[j], True
+            raise ValueError(
+                f"in_dims[{self.var_pos!r}] is {s!r}, but the call passes {n_extra} extra positional arguments "
+                f"as *{self.var_pos}; give one spec per extra argument, or one int/None for all"
+            )
+        return var, path, self.default, False
+
+    def keyword(self, key: str) -> tuple[str, str, Spec, bool]:
+        if not self.has_signature:
+            return f"kwargs[{key!r}]", f"kwargs[{key!r}]", self.default, False
+        if key in self.by_name:
+            return key, key, self.by_name[key], True
+        if key not in self.named and self.var_kw is not None and self.var_kw in self.by_name:
+            s = self.by_name[self.var_kw]
+            if is_leaf_spec(s):
+                return key, key, s, True
+            if isinstance(s, dict) and key in s:
+                return key, key, s[key], True
+        return key, key, self.default, False
+
+    def suggestion(self, fixes: dict[str, Spec]) -> str:
+        """Render an ``in_dims=`` that keeps what the user gave and applies ``fixes`` (argument name -> spec)."""
+        if self.has_signature:
+            merged: dict[str, Spec] = dict(self.by_name)
+            merged.update(fixes)
+            order = {n: i for i, n in enumerate(self.pos_names)}
+            items = sorted(merged.items(), key=lambda kv: order.get(kv[0], len(order)))
+            # an int in_dims was a default for every argument; with a dict that default is the `dim` argument
+            prefix = f"dim={self.default!r}, " if self.default != self.dim else ""
+            return prefix + "in_dims={" + ", ".join(f"{k!r}: {v!r}" for k, v in items) + "}"
+        idx = dict(self.by_index)
+        for k, v in fixes.items():  # keys look like "args[3]"
+            if k.startswith("args["):
+                idx[int(k[5:-1])] = v
+        n = max(idx) + 1 if idx else 0
+        return "in_dims=[" + ", ".join(repr(idx.get(i, self.default)) for i in range(n)) + "]"
+
+
+class ArgumentTree:
+    """One call's arguments flattened: a TreeDef per argument and the leaves with their specs."""
+
+    __slots__ = ("n_args", "kw_keys", "arg_defs", "arg_names", "leaves", "leaf_arg")
+
+    def __init__(self, specs: ArgumentSpecs, args: Sequence[Any], kwargs: dict[str, Any]):
+        self.n_args = len(args)
+        self.kw_keys = tuple(kwargs.keys())
+        self.arg_defs: list[TreeDef] = []
+        self.arg_names: list[str] = []  # the in_dims name each top-level argument answers to
+        self.leaves: list[SpecLeaf] = []
+        self.leaf_arg: list[int] = []  # leaf -> index of its top-level argument
+        items = [specs.positional(i, len(args)) + (a,) for i, a in enumerate(args)]
+        items += [specs.keyword(k) + (v,) for k, v in kwargs.items()]
+        for a, (name, path, spec, explicit, value) in enumerate(items):
+            start = len(self.leaves)
+            self.arg_defs.append(match_spec(value, spec, path, specs.default, explicit, "in_dims", self.leaves))
+            self.arg_names.append(name)
+            self.leaf_arg.extend([a] * (len(self.leaves) - start))
+
+    def rebuild(self, new_leaves: Sequence[Any]) -> tuple[tuple, dict]:
+        """The call's ``(args, kwargs)`` with the leaves replaced by ``new_leaves`` (same order)."""
+        it = iter(new_leaves)
+        values = [unflatten_from(d, it) for d in self.arg_defs]
+        return tuple(values[: self.n_args]), dict(zip(self.kw_keys, values[self.n_args :]))

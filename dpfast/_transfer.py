@@ -1,14 +1,12 @@
-"""Scatter whole argument trees to the replicas and gather whole output trees back, through :mod:`dpfast.ops`.
+"""Scatter whole argument trees to the replicas through :mod:`dpfast.ops` (the way out is :mod:`dpfast._gather`).
 
 All tensors that share a source device and a batch axis move in one ``ops.scatter`` call (one pack, one copy per
 device), so an LSTM state ``(h, c)`` costs one call, not two. Everything is differentiable: gradients of the
-chunks flow back to the caller's tensors, gradients of gathered outputs back to the replicas.
+chunks flow back to the caller's tensors.
 """
 
 from __future__ import annotations
 
-import numbers
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,15 +17,9 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 from . import ops
 from ._binding import ArgumentTree
 from ._plan import Mapped
-from ._specs import Spec, SpecLeaf, match_spec
-from ._tree import describe_value, flatten, unflatten
-
-# ---------------------------------------------------------------------------------------------------------------
-# In: scatter
-# ---------------------------------------------------------------------------------------------------------------
 
 
-def _move(v: Any, device: torch.device) -> Any:
+def move(v: Any, device: torch.device) -> Any:
     if isinstance(v, (Tensor, PackedSequence)) and v.data.device != device:
         return v.to(device)
     return v
@@ -35,7 +27,7 @@ def _move(v: Any, device: torch.device) -> Any:
 
 def move_tree(tree: ArgumentTree, device: torch.device) -> tuple[tuple, dict]:
     """The call's arguments, whole, with every tensor on ``device`` (the one-call paths)."""
-    return tree.rebuild([_move(leaf.value, device) for leaf in tree.leaves])
+    return tree.rebuild([move(leaf.value, device) for leaf in tree.leaves])
 
 
 def scatter_tree(
@@ -68,7 +60,7 @@ def scatter_tree(
             for d in devices:
                 key = (k, d)
                 if key not in copies:
-                    copies[key] = _move(v, d)
+                    copies[key] = move(v, d)
                 row.append(copies[key])
             per_leaf[k] = row
         else:
@@ -84,162 +76,3 @@ def scatter_packed(ps: PackedSequence, sizes: Sequence[int], devices: Sequence[t
     for chunk, lens in zip(chunks, torch.split(lengths, list(sizes))):
         out.append(pack_padded_sequence(chunk[: int(lens.max())], lens, enforce_sorted=False))
     return out
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Out: gather
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def gather_outputs(
-    outputs: Sequence[Any],
-    out_dims: Spec,
-    dim: int,
-    device: torch.device,
-    sizes: Sequence[int],
-) -> Any:
-    """Combine the replicas' outputs leaf by leaf as ``out_dims`` says, onto ``device``.
-
-    ``int``: concatenate along that axis (0-dim tensors are stacked into ``(n_replicas,)``; PackedSequences are
-    merged by sequence, in the caller's order; non-tensor values come back once when every replica returned an
-    equal value, else as a list with one value per replica); ``None``: replica 0's value; ``"sum"``; ``"mean"``:
-    weighted by each replica's share of the batch, so a per-sample-mean loss equals the full-batch mean even when
-    the split is uneven.
-    """
-    spec = dim if out_dims is None else out_dims
-    leaves0: list[SpecLeaf] = []
-    tdef = match_spec(outputs[0], spec, "output", dim, out_dims is not None, "out_dims", leaves0)
-    columns = [[leaf.value] for leaf in leaves0]
-    for r, out in enumerate(outputs[1:], start=1):
-        values, td = flatten(out)
-        if not tdef.same_structure(td):
-            raise ValueError(
-                f"replicas returned different output structures: replica 0 returned {describe_value(outputs[0])}, "
-                f"replica {r} returned {describe_value(out)}; every replica must return the same structure"
-            )
-        for col, v in zip(columns, values):
-            col.append(v)
-    total = sum(sizes)
-    weights = [s / total for s in sizes] if total > 0 else [1.0 / len(sizes)] * len(sizes)
-    combined = [_combine(leaf, col, device, weights, sizes) for leaf, col in zip(leaves0, columns)]
-    return unflatten(tdef, combined)
-
-
-def _combine(leaf: SpecLeaf, values: list, device: torch.device, weights: list[float], sizes: Sequence[int]) -> Any:
-    spec, path = leaf.spec, leaf.path
-    if all(v is None for v in values):
-        return None
-    if spec is None:
-        return _move(values[0], device)
-    if isinstance(spec, str):
-        return _reduce(path, spec, values, device, weights)
-    if all(isinstance(v, PackedSequence) for v in values):
-        return gather_packed(values, device)
-    if not any(isinstance(v, (Tensor, PackedSequence)) for v in values):
-        # non-tensor outputs (a tag, a count): once when every replica agrees, else one value per replica
-        return values[0] if _all_equal(values) else list(values)
-    if not all(isinstance(v, Tensor) for v in values):
-        kinds = sorted({type(v).__name__ for v in values})
-        raise TypeError(
-            f"output `{path}` is {'/'.join(kinds)}, which cannot be concatenated along axis {spec}; give it "
-            "out_dims None (replica 0's value), 'sum' or 'mean'"
-        )
-    if all(v.dim() == 0 for v in values):
-        return ops.gather([v.reshape(1) for v in values], 0, device)
-    ref = values[0]
-    for r, v in enumerate(values):
-        if v.dim() != ref.dim() or not -v.dim() <= spec < v.dim():
-            raise ValueError(
-                f"output `{path}` cannot be concatenated along axis {spec}: replica {r} returned shape "
-                f"{tuple(v.shape)}, replica 0 {tuple(ref.shape)}; give it another out_dims axis, or None/'sum'/'mean'"
-            )
-    axis = spec % ref.dim()
-    for r, v in enumerate(values):
-        if v.dtype != ref.dtype or any(a != b for i, (a, b) in enumerate(zip(v.shape, ref.shape)) if i != axis):
-            raise ValueError(
-                f"output `{path}` cannot be concatenated along axis {spec}: replica {r} returned "
-                f"{tuple(v.shape)} {v.dtype}, replica 0 {tuple(ref.shape)} {ref.dtype}; all other axes and the "
-                "dtype must agree (is the batch on another axis? set out_dims for it)"
-            )
-    _warn_if_batch_elsewhere(path, spec, axis, values, sizes)
-    return ops.gather(values, axis, device)
-
-
-def _warn_if_batch_elsewhere(path: str, spec: int, axis: int, values: list, sizes: Sequence[int]) -> None:
-    """An output whose batch lies on another axis concatenates fine when the split is even, into a wrong shape
-    (an LSTM state (L, B, H) under the default out_dims 0 comes back (n*L, B/n, H)). Say so when exactly
-    another axis carries the chunk sizes and the chosen one does not."""
-    if len(values) < 2 or len(values) != len(sizes):
-        return
-    got = [v.shape[axis] for v in values]
-    if got == list(sizes):
-        return
-    others = [k for k in range(values[0].dim()) if k != axis and [v.shape[k] for v in values] == list(sizes)]
-    if others:
-        warnings.warn(
-            f"output `{path}` is concatenated along axis {spec}, where the replicas returned sizes {got}, but its "
-            f"axis {others[0]} carries the batch chunk sizes {list(sizes)}; if the batch is on that axis, set "
-            f"out_dims for `{path}` to {others[0]} (as given, the result has a different shape than the plain "
-            "module's)",
-            UserWarning,
-            stacklevel=4,
-        )
-
-
-def _all_equal(values: list) -> bool:
-    """Whether every value is replica 0's (identical, or ``==`` answering a plain ``True``)."""
-    ref = values[0]
-    for v in values[1:]:
-        if v is ref:
-            continue
-        if type(v) is not type(ref):
-            return False
-        try:
-            same = v == ref
-        except Exception:
-            return False
-        if not (isinstance(same, bool) and same):
-            return False
-    return True
-
-
-def _reduce(path: str, how: str, values: list, device: torch.device, weights: list[float]) -> Any:
-    if all(isinstance(v, Tensor) for v in values):
-        ref = values[0]
-        for r, v in enumerate(values):
-            if v.shape != ref.shape:
-                raise ValueError(
-                    f"output `{path}` cannot be {'summed' if how == 'sum' else 'averaged'} across replicas: replica "
-                    f"{r} returned shape {tuple(v.shape)}, replica 0 {tuple(ref.shape)}; shapes must agree"
-                )
-        moved = [_move(v, device) for v in values]
-    elif all(isinstance(v, numbers.Number) and not isinstance(v, bool) for v in values):
-        moved = list(values)
-    else:
-        kinds = sorted({type(v).__name__ for v in values})
-        raise TypeError(
-            f"output `{path}` is {'/'.join(kinds)}; out_dims {how!r} needs tensors or numbers from every replica"
-        )
-    if how == "sum":
-        out = moved[0]
-        for v in moved[1:]:
-            out = out + v
-        return out
-    out = moved[0] * weights[0]
-    for v, w in zip(moved[1:], weights[1:]):
-        out = out + v * w
-    return out
-
-
-def gather_packed(values: Sequence[PackedSequence], device: torch.device) -> PackedSequence:
-    """The inverse of :func:`scatter_packed`: unpack each replica's chunk, concatenate by sequence, re-pack."""
-    unpacked = [pad_packed_sequence(v) for v in values]
-    t_max = max(p.shape[0] for p, _ in unpacked)
-    padded = []
-    for p, _ in unpacked:
-        if p.shape[0] < t_max:
-            p = torch.cat([p, p.new_zeros((t_max - p.shape[0],) + tuple(p.shape[1:]))], 0)
-        padded.append(p)
-    data = ops.gather(padded, 1, device)
-    lengths = torch.cat([lens for _, lens in unpacked])
-    return pack_padded_sequence(data, lengths, enforce_sorted=False)

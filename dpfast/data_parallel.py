@@ -16,10 +16,11 @@ from torch.nn.utils.rnn import PackedSequence
 
 from ._binding import ArgumentSpecs, ArgumentTree, forward_of
 from ._execute import _Pool, run_replicas
+from ._gather import gather_outputs
 from ._plan import Plan, check_batch, choose_batch, mapped_leaves, plan_rows, split_sizes, validate_chunk_sizes
 from ._replicas import ReplicaCache
 from ._specs import Spec, validate_spec
-from ._transfer import gather_outputs, move_tree, scatter_tree
+from ._transfer import move_tree, scatter_tree
 
 DeviceLike = Union[int, str, torch.device]
 

@@ -26,7 +26,7 @@ __all__ = [
 # Heavier pieces load on first use, so `import dpfast` stays cheap (and torch.distributed is only touched by DDP).
 _LAZY = {
     "DataParallel": ("dpfast.data_parallel", "DataParallel"),
-    "ScatterError": ("dpfast._plan", "ScatterError"),
+    "ScatterError": ("dpfast._errors", "ScatterError"),
     "DistributedDataParallel": ("dpfast.distributed", "DistributedDataParallel"),
     "nn": ("dpfast.nn", None),
 }

@@ -16,7 +16,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 
 from . import ops
 from ._binding import ArgumentTree
-from ._plan import Mapped
+from ._planning import Mapped
 
 
 def move(v: Any, device: torch.device) -> Any:

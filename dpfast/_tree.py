@@ -190,6 +190,11 @@ def _leaf_paths(tdef: TreeDef, path: str, out: list[str]) -> None:
         _leaf_paths(c, child_path(path, tdef.kind, k), out)
 
 
+def packed_batch(ps: PackedSequence) -> int:
+    """The number of sequences in a PackedSequence (its batch size)."""
+    return int(ps.batch_sizes[0]) if ps.batch_sizes.numel() else 0
+
+
 def describe_value(obj: Any) -> str:
     if isinstance(obj, Tensor):
         return f"a Tensor of shape {tuple(obj.shape)}"

@@ -12,14 +12,14 @@ from typing import Any, Union
 
 import torch
 from torch import nn
-from torch.nn.utils.rnn import PackedSequence
 
-from ._binding import ArgumentSpecs, ArgumentTree, forward_of
+from ._binding import ArgumentSpecs, forward_of
 from ._execute import _Pool, run_replicas
 from ._gather import gather_outputs
-from ._plan import Plan, check_batch, choose_batch, mapped_leaves, plan_rows, split_sizes, validate_chunk_sizes
+from ._planning import CallPlan, passthrough_plan, plan_call
 from ._replicas import ReplicaCache
 from ._specs import Spec, validate_spec
+from ._splits import validate_chunk_sizes
 from ._transfer import move_tree, scatter_tree
 
 DeviceLike = Union[int, str, torch.device]
@@ -167,45 +167,33 @@ class DataParallel(nn.Module):
 
     # -- the call ------------------------------------------------------------------------------------------------
 
-    def _check_input_devices(self, tree: ArgumentTree) -> None:
-        """Inputs may live on the CPU or on devices of device_ids' type (they are moved); anything else (a meta
-        tensor, a CUDA tensor in a CPU rehearsal) is refused before anything is copied."""
-        kind = self._devices[0].type
-        for leaf in tree.leaves:
-            v = leaf.value
-            if isinstance(v, (torch.Tensor, PackedSequence)):
-                dev = v.data.device
-                if dev.type != "cpu" and dev.type != kind:
-                    where = "the CPU" if kind == "cpu" else f"the CPU or a {kind} device"
-                    raise ValueError(
-                        f"`{leaf.path}` is on {dev}, but device_ids are "
-                        f"[{', '.join(repr(str(d)) for d in self._devices)}]; inputs must be on {where}: move it "
-                        f"with .to({str(self._devices[0])!r}) first"
-                    )
+    def _plan_call(self, inputs: tuple, kwargs: dict) -> CallPlan:
+        if not self._devices:
+            return passthrough_plan(forward_of(self.module), inputs, kwargs)
+        self._replicas.check_module_device(self.module, self._devices[0])
+        return plan_call(
+            self._specs, inputs, kwargs, len(self._devices), self._weights,
+            devices=self._devices, output_device=self._output_device,
+        )  # fmt: skip
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if not self._devices:
             return self.module(*inputs, **kwargs)
+        return self._run(self._plan_call(inputs, kwargs))
+
+    def _run(self, plan: CallPlan) -> Any:
+        """Execute a plan: scatter, replicas, run, gather (or the one-call paths)."""
         source = self._devices[0]
-        self._replicas.check_module_device(self.module, source)
-        tree = ArgumentTree(self._specs, inputs, kwargs)
-        self._check_input_devices(tree)
-        mapped = mapped_leaves(tree)
-        if len(self._devices) == 1:
-            # torch's single-device behaviour: nothing is split, so there is no batch to agree on; the output is
-            # returned as the module gave it
-            args, kw = move_tree(tree, source)
+        if plan.mode == "direct":  # torch's single-device behaviour: the output is returned as the module gave it
+            args, kw = move_tree(plan.tree, source)
             return self.module(*args, **kw)
-        batch = check_batch(tree, self._specs, mapped)
-        if not batch:  # B == 0, or nothing to split: one call on device_ids[0]
-            args, kw = move_tree(tree, source)
+        if plan.mode == "once":  # B == 0, or nothing to split: one call on device_ids[0]
+            args, kw = move_tree(plan.tree, source)
             outputs = run_replicas([self.module], [(args, kw)], [source])
-            return gather_outputs(outputs, self.out_dims, self.dim, self._output_device, [batch or 0])
-        sizes = split_sizes(batch, len(self._devices), self._weights)
-        active = [(d, s) for d, s in zip(self._devices, sizes) if s > 0]
-        devices = [d for d, _ in active]
-        chunk = [s for _, s in active]
-        inputs_per_replica = scatter_tree(tree, mapped, chunk, devices)
+            return gather_outputs(outputs, self.out_dims, self.dim, self._output_device, [plan.batch_size or 0])
+        devices = [d for _, d, _ in plan.replicas]
+        chunk = [s for _, _, s in plan.replicas]
+        inputs_per_replica = scatter_tree(plan.tree, plan.mapped, chunk, devices)
         modules, done = self._replicas.replicate(self.module, source, devices)
         try:
             outputs = run_replicas(modules, inputs_per_replica, devices, self._pool)
@@ -213,29 +201,13 @@ class DataParallel(nn.Module):
             done()
         return gather_outputs(outputs, self.out_dims, self.dim, self._output_device, chunk)
 
-    def plan(self, *inputs: Any, **kwargs: Any) -> Plan:
+    def plan(self, *inputs: Any, **kwargs: Any) -> CallPlan:
         """What ``self(*inputs, **kwargs)`` would do, as a printable table; nothing is copied or run.
 
-        Raises the same errors the call would raise before copying anything (``ScatterError``, ``TypeError``...).
+        It is the very plan the call executes, so it raises the same errors the call would raise before copying
+        anything (``ScatterError``, ``TypeError``...).
         """
-        if not self._devices:  # the call ignores in_dims then, so the plan must not raise for them either
-            tree = ArgumentTree(ArgumentSpecs(forward_of(self.module), None, 0), inputs, kwargs)
-            return Plan("passthrough", None, [], [], None, plan_rows(tree, [], [], single=True))
-        tree = ArgumentTree(self._specs, inputs, kwargs)
-        self._check_input_devices(tree)
-        mapped = mapped_leaves(tree)
-        if len(self._devices) == 1:  # nothing is split (see forward): B is informative only
-            batch = choose_batch(mapped)
-            rows = plan_rows(tree, mapped, [batch or 0], single=True)
-            return Plan("single", batch, self._devices, [batch or 0], self._output_device, rows, reason="one device")
-        batch = check_batch(tree, self._specs, mapped)
-        if not batch:
-            rows = plan_rows(tree, mapped, [batch or 0], single=True)
-            reason = "B = 0" if batch == 0 else "no tensor to split"
-            return Plan("single", batch, self._devices, [batch or 0], self._output_device, rows, reason=reason)
-        sizes = split_sizes(batch, len(self._devices), self._weights)
-        rows = plan_rows(tree, mapped, [s for s in sizes if s > 0], single=False)
-        return Plan("split", batch, self._devices, sizes, self._output_device, rows)
+        return self._plan_call(inputs, kwargs)
 
     def extra_repr(self) -> str:
         parts = [f"device_ids=[{', '.join(str(d) for d in self.device_ids)}]"]

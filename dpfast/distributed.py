@@ -65,8 +65,11 @@ from torch.distributed.utils import _to_kwargs
 from torch.nn.utils.rnn import PackedSequence
 
 from ._binding import ArgumentSpecs, ArgumentTree, forward_of
-from ._plan import Mapped, ScatterError, check_batch, mapped_leaves, shape_text, split_sizes, validate_chunk_sizes
+from ._errors import ScatterError
+from ._planning import Mapped, check_batch, mapped_leaves
+from ._render import shape_text
 from ._specs import Spec, SpecLeaf, match_spec, validate_spec
+from ._splits import split_sizes, validate_chunk_sizes
 from ._transfer import scatter_packed
 from ._tree import unflatten
 

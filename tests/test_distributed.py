@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dpfast
+import dpfast._splits
 from dpfast.distributed import DistributedBatchError, shard_batch, shard_dataset, shard_range
 
 DT = torch.float64
@@ -431,7 +432,7 @@ def test_shard_range_partitions_like_data_parallel():
         for world in (1, 2, 3, 5):
             ranges = [shard_range(n, r, world) for r in range(world)]
             assert [i for rg in ranges for i in rg] == list(range(n))
-            assert [len(rg) for rg in ranges] == dpfast._plan.split_sizes(n, world)
+            assert [len(rg) for rg in ranges] == dpfast._splits.split_sizes(n, world)
 
 
 def test_shard_batch_specs_and_errors():
@@ -465,7 +466,7 @@ def test_shard_batch_packed_sequence_with_empty_shares():
     seqs = [torch.randn(3, 2), torch.randn(2, 2), torch.randn(4, 2)]
     ps = pack_sequence(seqs, enforce_sorted=False)
     for world, weights in ((4, None), (3, [1, 0, 2]), (5, [0, 1, 0, 1, 1])):
-        sizes = dpfast._plan.split_sizes(3, world, dpfast._plan.validate_chunk_sizes(weights, world))
+        sizes = dpfast._splits.split_sizes(3, world, dpfast._splits.validate_chunk_sizes(weights, world))
         start = 0
         for r in range(world):
             if sizes[r] == 0:

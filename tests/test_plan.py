@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import dpfast
-from dpfast._plan import ScatterError, split_sizes, validate_chunk_sizes
+from dpfast._errors import ScatterError
+from dpfast._splits import split_sizes, validate_chunk_sizes
 
 # ---- chunk sizes ------------------------------------------------------------------------------------------------
 

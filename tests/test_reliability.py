@@ -20,7 +20,7 @@ from torch.nn.utils.rnn import pack_sequence
 
 import dpfast
 from dpfast import reference
-from dpfast._plan import split_sizes
+from dpfast._splits import split_sizes
 
 DT = torch.float64
 PROPS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

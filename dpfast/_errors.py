@@ -1,0 +1,7 @@
+"""The exceptions dpfast raises for a call it cannot plan (their messages are worded by :mod:`dpfast._render`)."""
+
+from __future__ import annotations
+
+
+class ScatterError(ValueError):
+    """The inputs cannot be split into one batch: the message lists every mapped tensor and suggests a fix."""

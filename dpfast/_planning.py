@@ -1,0 +1,195 @@
+"""The planning stage: one function, :func:`plan_call`, turns (specs, a call's arguments, devices, weights) into a
+:class:`CallPlan`. ``DataParallel.forward`` executes it, ``DataParallel.plan()`` prints it, and
+``dpfast.distributed`` takes a rank's share of it, so what a call does and what its plan says cannot drift apart.
+Every error about a call's arguments is raised here, before anything is copied or run.
+
+How ``B`` is chosen when the mapped tensors disagree: every top-level argument votes with the size of its first
+mapped tensor along its batch axis; the size with most votes wins and ties go to the earliest argument (in call
+order: positional, then keyword). So ``f(x, h)`` with ``x`` ``(B, T, F)`` and an LSTM state ``h = (h0, c0)`` of
+``(L, B, H)`` under the default ``dim=0`` reads ``B`` from ``x`` and reports ``h[0]`` and ``h[1]`` as the mismatch,
+with ``in_dims={'h': 1}`` as the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Sequence
+from fractions import Fraction
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+from torch.nn.utils.rnn import PackedSequence
+
+from ._binding import ArgumentSpecs, ArgumentTree
+from ._errors import ScatterError
+from ._render import plan_text, scatter_message
+from ._splits import split_sizes
+from ._tree import packed_batch
+
+
+class Mapped:
+    """A leaf with an int spec: a tensor to split along ``axis``, or a PackedSequence to split by sequence."""
+
+    __slots__ = ("leaf", "arg", "axis", "size", "problem")
+
+    def __init__(self, leaf, arg: int):
+        self.leaf = leaf
+        self.arg = arg
+        self.axis: int | None = None
+        self.size: int | None = None
+        self.problem: str | None = None
+        v, spec = leaf.value, leaf.spec
+        if isinstance(v, PackedSequence):
+            self.size = packed_batch(v)
+        elif v.dim() == 0:
+            self.problem = "0-dim tensor has no batch axis"
+        elif not -v.dim() <= spec < v.dim():
+            self.problem = f"axis {spec} out of range for {v.dim()} dims"
+        else:
+            self.axis = spec % v.dim()
+            self.size = v.shape[self.axis]
+
+    @property
+    def is_packed(self) -> bool:
+        return isinstance(self.leaf.value, PackedSequence)
+
+
+def mapped_leaves(tree: ArgumentTree) -> list[Mapped]:
+    """The leaves to split; a non-tensor under an explicit int spec is an error (under the default it is passed
+    by reference, as torch does)."""
+    out = []
+    for leaf, arg in zip(tree.leaves, tree.leaf_arg):
+        if leaf.spec is None:
+            continue
+        v = leaf.value
+        if isinstance(v, (Tensor, PackedSequence)):
+            out.append(Mapped(leaf, arg))
+        elif leaf.explicit and v is not None:
+            kind = type(v).__name__
+            raise TypeError(
+                f"in_dims gives `{leaf.path}` the batch axis {leaf.spec}, but it is "
+                f"{'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind}, not a tensor; pass it as a tensor "
+                "(e.g. torch.tensor(...)) to split it, or give it the spec None to pass it unchanged to every replica"
+            )
+    return out
+
+
+def choose_batch(mapped: Sequence[Mapped]) -> int | None:
+    votes: dict[int, int] = {}
+    for m in mapped:
+        if m.size is not None and m.arg not in votes:
+            votes[m.arg] = m.size
+    if not votes:
+        return None
+    counts = Counter(votes.values())
+    first = {}
+    for arg in sorted(votes):
+        first.setdefault(votes[arg], arg)
+    return max(counts, key=lambda s: (counts[s], -first[s]))
+
+
+def check_batch(tree: ArgumentTree, specs: ArgumentSpecs, mapped: Sequence[Mapped]) -> int | None:
+    """``B``, or ``None`` when nothing is mapped; raises :class:`ScatterError` on any disagreement."""
+    batch = choose_batch(mapped)
+    bad = [m for m in mapped if m.problem is not None or m.size != batch]
+    if not bad:
+        return batch
+    raise ScatterError(scatter_message(tree, specs, mapped, bad, batch))
+
+
+def check_input_devices(tree: ArgumentTree, devices: Sequence[torch.device]) -> None:
+    """Inputs may live on the CPU or on devices of device_ids' type (they are moved); anything else (a meta
+    tensor, a CUDA tensor in a CPU rehearsal) is refused before anything is copied."""
+    kind = devices[0].type
+    for leaf in tree.leaves:
+        v = leaf.value
+        if isinstance(v, (Tensor, PackedSequence)):
+            dev = v.data.device
+            if dev.type != "cpu" and dev.type != kind:
+                where = "the CPU" if kind == "cpu" else f"the CPU or a {kind} device"
+                raise ValueError(
+                    f"`{leaf.path}` is on {dev}, but device_ids are "
+                    f"[{', '.join(repr(str(d)) for d in devices)}]; inputs must be on {where}: move it "
+                    f"with .to({str(devices[0])!r}) first"
+                )
+
+
+@dataclasses.dataclass(eq=False)
+class CallPlan:
+    """What one call does: ``B``, the chunk per device (or rank), and the bound argument tree. ``str(plan)`` is a
+    table of every argument leaf with its shape, spec and per-replica chunk; nothing is copied to build it.
+
+    ``mode``: ``"split"`` (``B`` split over the devices), ``"once"`` (``B == 0`` or nothing to split: one call on
+    the first device; ``reason`` says which), ``"direct"`` (one device: the module is called directly, like
+    torch) or ``"passthrough"`` (no devices and no CUDA: the module is called directly).
+    """
+
+    mode: str
+    tree: ArgumentTree
+    mapped: list[Mapped]
+    batch_size: int | None
+    sizes: list[int]  # per device (or rank), 0 for one that gets nothing; [] when nothing is split
+    devices: list[torch.device]  # every device_ids entry ([] for ranks)
+    output_device: torch.device | None = None
+    reason: str = ""
+
+    @property
+    def replicas(self) -> list[tuple[int, Any, int]]:
+        """``(index, device, chunk size)`` of every replica that runs."""
+        if self.mode == "passthrough":
+            return []
+        first = self.devices[0] if self.devices else 0
+        if self.mode != "split":
+            return [(0, first, self.batch_size or 0)]
+        return [(i, self.devices[i] if self.devices else i, s) for i, s in enumerate(self.sizes) if s > 0]
+
+    def share(self, part: int) -> tuple[int, int]:
+        """Rows ``start, stop`` of the batch that device (or rank) ``part`` gets."""
+        start = sum(self.sizes[:part])
+        return start, start + self.sizes[part]
+
+    def __str__(self) -> str:
+        return plan_text(self)
+
+    __repr__ = __str__
+
+
+def plan_call(
+    specs: ArgumentSpecs,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    parts: int,
+    weights: Sequence[Fraction] | None = None,
+    *,
+    devices: Sequence[torch.device] = (),
+    output_device: torch.device | None = None,
+) -> CallPlan:
+    """Bind the call, check its inputs and batch, and split ``B`` over ``parts`` devices (or ranks).
+
+    With ``devices`` (``DataParallel``) the inputs' devices are checked against them, and a single device plans a
+    direct call with nothing split, as ``torch.nn.DataParallel`` makes one. Raises ``ScatterError`` and the spec
+    errors (``TypeError``/``ValueError`` naming the argument) before anything is copied.
+    """
+    tree = ArgumentTree(specs, args, kwargs)
+    devices = list(devices)
+    if devices:
+        check_input_devices(tree, devices)
+    mapped = mapped_leaves(tree)
+    if len(devices) == 1:  # nothing is split, so there is no batch to agree on: B is informative only
+        return CallPlan("direct", tree, mapped, choose_batch(mapped), [], devices, output_device, "one device")
+    batch = check_batch(tree, specs, mapped)
+    if batch is None:
+        return CallPlan("once", tree, mapped, None, [], devices, output_device, "no tensor to split")
+    sizes = split_sizes(batch, parts, weights)
+    if batch == 0:
+        return CallPlan("once", tree, mapped, 0, sizes, devices, output_device, "B = 0")
+    return CallPlan("split", tree, mapped, batch, sizes, devices, output_device)
+
+
+def passthrough_plan(forward: Callable, args: Sequence[Any], kwargs: dict[str, Any]) -> CallPlan:
+    """The plan of a call that goes straight to the module (no device_ids, no CUDA): in_dims are ignored then, so
+    the tree is bound without them and nothing here can raise what the call would not."""
+    tree = ArgumentTree(ArgumentSpecs(forward, None, 0), args, kwargs)
+    return CallPlan("passthrough", tree, [], None, [], [], None, "no device_ids and no CUDA")

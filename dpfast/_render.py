@@ -1,0 +1,166 @@
+"""Every table dpfast prints: the ``plan()`` of a call, and the :class:`~dpfast.ScatterError` with its suggested fix.
+
+Pure text: nothing here decides anything about a call. The planning stage (:mod:`dpfast._planning`) decides and
+raises; this module words it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor
+from torch.nn.utils.rnn import PackedSequence
+
+from ._specs import Spec, spec_tree_repr
+from ._tree import packed_batch
+
+
+def table(rows: Sequence[Sequence[str]]) -> list[str]:
+    """Left-aligned columns, two spaces apart; rows may be shorter than the header."""
+    width = max(len(r) for r in rows)
+    rows = [tuple(r) + ("",) * (width - len(r)) for r in rows]
+    widths = [max(len(r[c]) for r in rows) for c in range(width)]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def shape_text(v: Any) -> str:
+    if isinstance(v, Tensor):
+        return str(tuple(v.shape))
+    if isinstance(v, PackedSequence):
+        return f"packed(B={packed_batch(v)}, data={tuple(v.data.shape)})"
+    return type(v).__name__
+
+
+# ---- ScatterError ------------------------------------------------------------------------------------------------
+
+
+def _suggest_axis(m: Any, batch: int | None) -> Spec:
+    """An axis of the mapped leaf ``m`` that has size ``batch``, or None (replicate) when none has."""
+    v = m.leaf.value
+    if batch is not None and isinstance(v, Tensor):
+        for ax, s in enumerate(v.shape):
+            if s == batch:
+                return ax
+    return None
+
+
+def _kept_spec(leaf: Any) -> Spec:
+    """A good leaf's spec in the suggested fix: non-tensors get None (an explicit int would refuse them)."""
+    return leaf.spec if isinstance(leaf.value, (Tensor, PackedSequence)) else None
+
+
+def _note(m: Any, batch: int | None) -> str:
+    note = m.problem if m.problem is not None else f"expected {batch}"
+    ax = _suggest_axis(m, batch)
+    if isinstance(m.leaf.value, Tensor) and m.leaf.value.dim() == 0:
+        return f"<- {note}: replicate it with None"
+    if ax is not None:
+        return f"<- {note}; axis {ax} has size {batch}"
+    if m.is_packed:
+        return f"<- {note}; a PackedSequence is split by sequence: give it None to replicate it"
+    if batch is not None:
+        return f"<- {note}; no axis has size {batch}: replicate it with None"
+    return f"<- {note}; replicate it with None"
+
+
+def scatter_message(tree: Any, specs: Any, mapped: Sequence[Any], bad: Sequence[Any], batch: int | None) -> str:
+    """The table of every mapped tensor (culprits marked) and an ``in_dims`` that would fix the call."""
+    bad_ids = {id(m) for m in bad}
+    if batch is None:
+        head = "cannot split the batch: no tensor mapped to a batch axis has a usable batch axis"
+    else:
+        head = (
+            f"cannot split the batch: the tensors mapped to a batch axis must all have the same size B there "
+            f"(B = {batch}, the size most arguments agree on)"
+        )
+    rows = [("path", "shape", "spec", "axis", "size", "")]
+    for m in mapped:
+        axis = "seq" if m.is_packed else ("-" if m.axis is None else str(m.axis))
+        size = "-" if m.size is None else str(m.size)
+        note = _note(m, batch) if id(m) in bad_ids else ""
+        rows.append((m.leaf.path, shape_text(m.leaf.value), repr(m.leaf.spec), axis, size, note))
+    lines = [head] + ["  " + line for line in table(rows)]
+    lines.append(f"suggested fix: DataParallel(..., {specs.suggestion(_fixes(tree, specs, mapped, bad_ids, batch))})")
+    return "\n".join(lines)
+
+
+def _fixes(tree: Any, specs: Any, mapped: Sequence[Any], bad_ids: set, batch: int | None) -> dict[str, Spec]:
+    """Per argument name with a bad leaf: a spec mirroring the argument (collapsed where uniform)."""
+    by_leaf = {id(m.leaf): m for m in mapped}
+
+    def arg_spec(a: int) -> Spec:
+        leaf_specs = []
+        for leaf, arg in zip(tree.leaves, tree.leaf_arg):
+            if arg == a:
+                m = by_leaf.get(id(leaf))
+                leaf_specs.append(_suggest_axis(m, batch) if m is not None and id(m) in bad_ids else _kept_spec(leaf))
+        return spec_tree_repr(tree.arg_defs[a], leaf_specs)
+
+    bad_args = sorted({m.arg for m in mapped if id(m) in bad_ids})
+    fixes: dict[str, Spec] = {}
+    n_pos = len(specs.pos_names)
+    for a in bad_args:
+        name = tree.arg_names[a]
+        if specs.has_signature and name == specs.var_pos and tree.n_args > n_pos:
+            # *args extras: one spec per extra argument, the given ones kept
+            if name not in fixes:
+                fixes[name] = [specs.positional(i, tree.n_args)[2] for i in range(n_pos, tree.n_args)]
+            fixes[name][a - n_pos] = arg_spec(a)
+        else:
+            fixes.setdefault(name, arg_spec(a))
+    return {k: tuple(v) if isinstance(v, list) and k == specs.var_pos else v for k, v in fixes.items()}
+
+
+# ---- plan() ------------------------------------------------------------------------------------------------------
+
+
+def plan_text(plan: Any) -> str:
+    """``str()`` of a :class:`~dpfast._planning.CallPlan`: a headline, then one row per argument leaf with its
+    shape, spec and what each replica gets."""
+    mode = plan.mode
+    if mode == "passthrough":
+        head = "dpfast plan: no device_ids and no CUDA: the module is called directly"
+    elif mode == "direct":
+        head = f"dpfast plan: one device: the module is called directly on {plan.devices[0]}"
+    elif mode == "once":
+        head = f"dpfast plan: {plan.reason}: one call on {plan.devices[0]}, output on {plan.output_device}"
+    else:
+        n = len(plan.replicas)
+        head = (
+            f"dpfast plan: B = {plan.batch_size} split {plan.sizes} over {n} replica{'s' if n != 1 else ''}, "
+            f"output on {plan.output_device}"
+        )
+    reps = plan.replicas
+    header = ("path", "shape", "spec") + tuple(f"#{i} {d}" for i, d, _ in reps)
+    rows = [header] + [(p, sh, sp, *cells) for p, sh, sp, cells in _leaf_rows(plan, [s for _, _, s in reps])]
+    if len(rows) == 1:
+        return head + "\n  (no arguments)"
+    return "\n".join([head] + ["  " + line for line in table(rows)])
+
+
+def _leaf_rows(plan: Any, replica_sizes: Sequence[int]) -> list[tuple[str, str, str, list[str]]]:
+    by_leaf = {id(m.leaf): m for m in plan.mapped}
+    split = plan.mode == "split"
+    n = len(replica_sizes)
+    rows = []
+    for leaf in plan.tree.leaves:
+        v = leaf.value
+        m = by_leaf.get(id(leaf))
+        if m is not None and split:
+            if m.is_packed:
+                cells = [f"packed(B={s})" for s in replica_sizes]
+            else:
+                cells = []
+                for s in replica_sizes:
+                    shape = list(v.shape)
+                    shape[m.axis] = s
+                    cells.append(str(tuple(shape)))
+        elif isinstance(v, (Tensor, PackedSequence)):
+            cells = [shape_text(v)] * n
+        elif v is None:
+            cells = ["None"] * n
+        else:
+            cells = ["by reference"] * n
+        rows.append((leaf.path, "None" if v is None else shape_text(v), repr(leaf.spec), cells))
+    return rows

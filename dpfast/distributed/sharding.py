@@ -1,0 +1,146 @@
+"""A rank's share of a global batch: the same contiguous split ``DataParallel`` makes over devices, made over ranks.
+
+:func:`take_rows` cuts a planned call's argument tree to one rank's rows; :func:`shard_batch`, :func:`shard_range`
+and :func:`shard_dataset` are the public helpers for per-rank loading.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .._binding import ArgumentSpecs, ArgumentTree
+from .._planning import Mapped, plan_call
+from .._specs import Spec, validate_spec
+from .._splits import split_sizes, validate_chunk_sizes
+from .._transfer import scatter_packed
+
+
+class Share(NamedTuple):
+    """This rank's part of one global batch: rows ``start:stop`` of ``batch_size`` (``None``: nothing to split)."""
+
+    rank: int
+    world_size: int
+    batch_size: int | None
+    sizes: tuple  # rows per rank; () when nothing is split
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+def take_rows(
+    tree: ArgumentTree, mapped: Sequence[Mapped], start: int, length: int, subs: dict | None = None
+) -> tuple[tuple, dict]:
+    """The call's ``(args, kwargs)`` with every mapped leaf cut to rows ``start:start+length`` along its axis.
+
+    Tensors are narrowed (a view when the axis is 0, else made contiguous); PackedSequences are split by sequence in
+    the caller's order with the code ``DataParallel`` uses. Everything else, spec ``None`` included, is passed as
+    given. ``subs`` maps a leaf (by ``id``) to the value to use instead (DDP: the input seen through the node that
+    averages input gradients).
+    """
+    by_leaf = {id(m.leaf): m for m in mapped}
+    subs = subs or {}
+    values = []
+    for leaf in tree.leaves:
+        m = by_leaf.get(id(leaf))
+        value = subs.get(id(leaf), leaf.value)
+        if m is None:
+            values.append(value)
+        elif m.is_packed:
+            if length == 0:
+                raise ValueError(f"`{leaf.path}` is a PackedSequence, which cannot hold zero sequences")
+            # sequences start:start+length; the other ranks' rows as (at most) two chunks, never an empty one
+            # (scatter_packed cannot pack zero sequences), so empty shares elsewhere and the ghost work too
+            ps = leaf.value
+            parts = [n for n in (start, length, m.size - start - length) if n]
+            values.append(scatter_packed(ps, parts, [ps.data.device] * len(parts))[1 if start else 0])
+        else:
+            v = value.narrow(m.axis, start, length)
+            values.append(v if m.axis == 0 else v.contiguous())
+    return tree.rebuild(values)
+
+
+def _rank_world(rank: int | None, world_size: int | None, group=None) -> tuple[int, int]:
+    if rank is None or world_size is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(
+                "rank and world_size are needed when torch.distributed is not initialized "
+                "(call torch.distributed.init_process_group first, or pass them)"
+            )
+        rank = dist.get_rank(group) if rank is None else rank
+        world_size = dist.get_world_size(group) if world_size is None else world_size
+    if not (isinstance(world_size, int) and world_size >= 1):
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if not (isinstance(rank, int) and 0 <= rank < world_size):
+        raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
+    return rank, world_size
+
+
+def shard_range(
+    n: int,
+    rank: int | None = None,
+    world_size: int | None = None,
+    *,
+    chunk_sizes: Sequence[float] | None = None,
+) -> range:
+    """The indices ``range(start, stop)`` of ``n`` items that ``rank`` owns: the same contiguous, as-even-as-possible
+    split (earlier ranks take the remainder, ``chunk_sizes`` weights ranks) that :class:`DistributedDataParallel`
+    and ``DataParallel`` use. Nothing is dropped or repeated: the ranges of all ranks partition ``range(n)``."""
+    rank, world_size = _rank_world(rank, world_size)
+    sizes = split_sizes(n, world_size, validate_chunk_sizes(chunk_sizes, world_size))
+    start = sum(sizes[:rank])
+    return range(start, start + sizes[rank])
+
+
+def shard_dataset(
+    dataset,
+    rank: int | None = None,
+    world_size: int | None = None,
+    *,
+    chunk_sizes: Sequence[float] | None = None,
+) -> torch.utils.data.Subset:
+    """``rank``'s contiguous share of a map-style dataset, as a :class:`torch.utils.data.Subset` (see
+    :func:`shard_range`). For per-rank loading: every rank must still run the same number of steps (DDP's gradient
+    all-reduce is a collective), so with uneven shares use equal step counts or ``torch.utils.data.DistributedSampler``
+    (which pads by repeating samples) instead."""
+    return torch.utils.data.Subset(dataset, list(shard_range(len(dataset), rank, world_size, chunk_sizes=chunk_sizes)))
+
+
+def _one_batch(batch):  # the signature shard_batch binds its in_dims to
+    return batch
+
+
+def shard_batch(
+    batch: Any,
+    rank: int | None = None,
+    world_size: int | None = None,
+    *,
+    in_dims: Spec = None,
+    dim: int = 0,
+    chunk_sizes: Sequence[float] | None = None,
+) -> Any:
+    """``rank``'s share of one global ``batch`` (a tensor or any tuple/list/dict/namedtuple/dataclass tree of them),
+    cut exactly as :class:`DistributedDataParallel` cuts its inputs.
+
+    ``in_dims`` is a spec prefix of ``batch`` (default ``dim`` everywhere; ``None`` leaves keep tensors whole); the
+    batch-size checks and :class:`~dpfast.ScatterError` are ``DataParallel``'s. A rank with no rows gets empty
+    slices. When nothing is split (no tensor with an int spec), every rank gets ``batch`` unchanged.
+    ``rank``/``world_size`` default to the initialized process group's.
+    """
+    rank, world_size = _rank_world(rank, world_size)
+    weights = validate_chunk_sizes(chunk_sizes, world_size)
+    if in_dims is not None:
+        validate_spec(in_dims, "in_dims", allow_reductions=False)
+    specs = ArgumentSpecs(_one_batch, None if in_dims is None else {"batch": in_dims}, dim)
+    plan = plan_call(specs, (batch,), {}, world_size, weights)
+    if plan.batch_size is None:
+        return batch
+    start, stop = plan.share(rank)
+    args, _ = take_rows(plan.tree, plan.mapped, start, stop - start)
+    return args[0]

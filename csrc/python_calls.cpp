@@ -1,7 +1,7 @@
 // Direct CPython entry points for the ops (dpfast._C._transpose01 and friends), used by dpfast/ops.py.
 //
-// Calling through torch.ops parses every argument into a boxed IValue stack and back, about 2 µs a call: as much
-// as the whole copy for a small LSTM state. These functions take the common case -- plain tensors (or
+// Calling through torch.ops parses every argument into a boxed IValue stack and back, which costs as much as the
+// whole copy of a small LSTM state (benchmarks/RESULTS.md, "call path"). These functions take the common case -- plain tensors (or
 // Parameters), ints, torch.device objects, no __torch_function__ mode -- and call the op's typed dispatcher handle,
 // so autograd, dispatch modes and device kernels behave exactly as through torch.ops. Anything else (subclasses,
 // modes, odd argument types) returns NotImplemented, and the Python wrapper takes the torch.ops path, which

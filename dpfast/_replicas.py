@@ -292,19 +292,3 @@ class ReplicaCache:
 
 def _nothing() -> None:
     pass
-
-
-def replicate(module: nn.Module, source: torch.device, devices: Sequence[torch.device]) -> list[nn.Module]:
-    """One module per entry of ``devices``: ``module`` on ``source``, a fresh copy per other (CUDA) device.
-
-    The non-persistent form (``torch.nn.parallel.replicate``'s cost every call); :class:`ReplicaCache` is the
-    persistent one. Parameters are broadcast with autograd, so gradients of every replica sum back onto the
-    original parameters. Under ``no_grad`` they are detached copies.
-    """
-    slot_of, targets = _targets(source, devices)
-    if not targets:
-        return [module] * len(devices)
-    _check_copyable(source, targets)
-    rs = _ReplicaSet(module, source, targets)
-    rs.refresh()
-    return [module if s is None else rs.roots[s] for s in slot_of]

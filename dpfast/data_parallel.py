@@ -14,13 +14,14 @@ import torch
 from torch import nn
 
 from ._binding import ArgumentSpecs, forward_of
-from ._execute import _Pool, run_replicas
+from ._execute import run_replicas
 from ._gather import gather_outputs
 from ._planning import CallPlan, passthrough_plan, plan_call
 from ._replicas import ReplicaCache
 from ._specs import Spec, validate_spec
 from ._splits import validate_chunk_sizes
 from ._transfer import move_tree, scatter_tree
+from ._workers import WorkerPool
 
 DeviceLike = Union[int, str, torch.device]
 
@@ -161,7 +162,7 @@ class DataParallel(nn.Module):
         # persistent replicas (copies on other devices, refreshed each step) and workers (one per slot after the
         # first); both go with this instance (deleting it stops the workers) and start afresh in a deep copy
         self._replicas = ReplicaCache()
-        self._pool = _Pool(max_idle=len(devices) - 1)
+        self._pool = WorkerPool(max_idle=len(devices) - 1)
         if len(devices) == 1:
             self.module.to(devices[0])  # as torch does for a single device
 

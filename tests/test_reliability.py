@@ -209,9 +209,9 @@ def test_forked_child_gets_a_working_pool_even_if_the_lock_was_held():
     """A fork while another thread holds the pool's lock must not leave the child's pool locked forever."""
     import time
 
-    from dpfast._execute import _Pool
+    from dpfast._workers import WorkerPool
 
-    pool = _Pool(name="fork-test")
+    pool = WorkerPool(name="fork-test")
     done = threading.Event()
     pool.submit(lambda: None, done)  # the parent has a worker
     assert done.wait(5)

@@ -6,7 +6,7 @@ medians of the per-round ratios, so they compare like with like on a noisy machi
 * ``halves``: the plain module called on the two halves of the batch in turn, one backward: the floor of any
   2-replica split on one interpreter (small batches are bound by per-op overhead, which two replicas pay twice).
 * CPU (``--device cpu``): the plain module vs ``dpfast.DataParallel(model, ["cpu"] * 2, in_dims={"h": 1},
-  out_dims=(0, 0, 1))``, the 2-replica CPU rehearsal. Target (issue 7): dpfast <= 1.3x plain.
+  out_dims=(0, 0, 1))``, the 2-replica CPU rehearsal. Target: dpfast <= 1.3x plain.
 * CUDA (``--device cuda``): additionally ``dpfast`` on ``[0, 0]`` vs ``torch.nn.DataParallel`` on ``[0, 0]``.
   torch's DataParallel splits every input on dim 0, which is the seed's bug for the LSTM state ``(1, B, H)``, so
   torch runs the blog's fix: a thin wrapper keeping the state batch-first (``transpose(0, 1).contiguous()`` around

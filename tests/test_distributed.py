@@ -29,6 +29,8 @@ import dpfast
 import dpfast._splits
 from dpfast.distributed import DistributedBatchError, shard_batch, shard_dataset, shard_range
 
+from dp_testing import MLP
+
 DT = torch.float64
 GROUP_TIMEOUT_S = 150  # the whole spawned group; a healthy run takes a few seconds
 BATCHES = {2: (5, 1), 3: (7, 2)}  # not divisible by the world size, and smaller than it
@@ -37,25 +39,16 @@ BATCHES = {2: (5, 1), 3: (7, 2)}  # not divisible by the world size, and smaller
 # ---- models --------------------------------------------------------------------------------------------------------
 
 
-class MLP(nn.Module):
-    def __init__(self, i, o, hidden=8):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(i, hidden), nn.Tanh(), nn.Linear(hidden, o))
-
-    def forward(self, x):
-        return self.net(x)
-
-
 class RRN(nn.Module):
     """Seed 000's relational recurrent network, small: messages between N nodes, an LSTM(batch_first=True) whose
     state is (num_layers, B, H), i.e. batch on axis 1 (in_dims={'h': 1}, out_dims=(0, 0, 1))."""
 
     def __init__(self, d_in=3, hidden=5, message=4, out=2, layers=2):
         super().__init__()
-        self.f = MLP(2 * hidden, message)
-        self.g_mlp = MLP(d_in + message, 6)
+        self.f = MLP(2 * hidden, message, hidden=8)
+        self.g_mlp = MLP(d_in + message, 6, hidden=8)
         self.g = nn.LSTM(6, hidden, num_layers=layers, batch_first=True)
-        self.o = MLP(hidden, out)
+        self.o = MLP(hidden, out, hidden=8)
         self.message = message
 
     def forward(self, x, hidden, h):

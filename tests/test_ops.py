@@ -139,6 +139,16 @@ def test_split_contiguous_matches_reference(device, dtype, layout):
                 assert_fresh(row, xs)
 
 
+def test_negative_dim_wraps_per_tensor(device):
+    """Tensors of different rank: dim -2 is axis 0 of a (5, 3) and axis 1 of a (2, 5, 3) (it was wrapped once,
+    for the last tensor, which split the first along the wrong axis and read past its end)."""
+    xs = [make((5, 3), torch.float32, device), make((2, 5, 3), torch.float32, device, "transposed", seed=1)]
+    for fn, args in ((ops.split_contiguous, ()), (ops.scatter, ([device] * 2,))):
+        for row, erow in zip(fn(xs, -2, [2, 3], *args), ref.split_contiguous(xs, -2, [2, 3])):
+            for o, e in zip(row, erow):
+                assert_bitexact(o, e)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bool, torch.complex64])
 def test_scatter_gather_roundtrip(device, dtype):
     x = make((7, 4, 3), dtype, device, "transposed")
@@ -225,6 +235,42 @@ def test_backward_with_unused_outputs_and_int_tensors(device):
     parts = ops.scatter([x], 0, [1, 3], [device] * 2)[0]
     (parts[1] * 2).sum().backward()  # chunk 0 unused: its gradient is zero
     assert torch.equal(x.grad, torch.tensor([[0.0] * 3] + [[2.0] * 3] * 3, device=device))
+
+
+def test_outputs_of_inputs_without_grad_do_not_require_grad(device):
+    """A mask split or transposed alongside x keeps requires_grad=False, as with the reference."""
+    x = torch.randn(4, 3, device=device, requires_grad=True)
+    m = torch.randn(4, 3, device=device)
+    for fn in (ops, ref):
+        assert [t.requires_grad for t in fn.transpose01(x, m)] == [True, False]
+        parts = fn.scatter([m, x], 0, [1, 3], [device] * 2)
+        assert [[t.requires_grad for t in row] for row in parts] == [[False, False], [True, True]]
+        assert fn.gather([m, x], 0, device).requires_grad
+    parts = ops.split_contiguous([m, x], 1, [2, 1])
+    (parts[1][0].sum() * 2 + parts[1][1].sum()).backward()
+    assert torch.equal(x.grad, torch.tensor([[2.0, 2.0, 1.0]] * 4, device=device))
+
+
+def test_forward_mode_ad(device):
+    """Tangents pass through every op (they were silently dropped: tangent None)."""
+    import torch.autograd.forward_ad as fwAD
+
+    x, tx = torch.randn(4, 3, 2, device=device), torch.randn(4, 3, 2, device=device)
+    y = torch.randn(4, 5, device=device)
+    with fwAD.dual_level():
+        dx = fwAD.make_dual(x, tx)
+        a, b = ops.transpose01(dx, y)
+        assert torch.equal(fwAD.unpack_dual(a).tangent, tx.transpose(0, 1))
+        assert fwAD.unpack_dual(b).tangent is None
+        parts = ops.split_contiguous([y, dx], 0, [1, 3])
+        assert fwAD.unpack_dual(parts[0][0]).tangent is None
+        assert torch.equal(fwAD.unpack_dual(parts[1][1]).tangent, tx[1:])
+        parts = ops.scatter([dx], 1, [2, 1], [device] * 2)[0]
+        assert torch.equal(fwAD.unpack_dual(parts[0]).tangent, tx[:, :2])
+        g = ops.gather([x[:, :1], dx, x], 1, device)  # chunks without a tangent contribute zeros
+        assert torch.equal(fwAD.unpack_dual(g).tangent, torch.cat([torch.zeros_like(x[:, :1]), tx, 0 * x], 1))
+    jvp = torch.func.jvp(lambda t: ops.transpose01(t)[0], (x,), (tx,))[1]
+    assert torch.equal(jvp, tx.transpose(0, 1))
 
 
 @needs_ext
@@ -493,52 +539,3 @@ def test_many_dims_take_the_fallback_path(device):
         assert_bitexact(o, r)
     parts = ops.split_contiguous([x], 0, [1, 2])[0]
     assert_bitexact(ops.gather([parts[0], x[1:]], 0, device), x.contiguous())
-
-
-# ---- review regressions ------------------------------------------------------------------------------------------
-
-
-def test_negative_dim_wraps_per_tensor(device):
-    """Tensors of different rank: dim -2 is axis 0 of a (5, 3) and axis 1 of a (2, 5, 3) (it was wrapped once,
-    for the last tensor, which split the first along the wrong axis and read past its end)."""
-    xs = [make((5, 3), torch.float32, device), make((2, 5, 3), torch.float32, device, "transposed", seed=1)]
-    for fn, args in ((ops.split_contiguous, ()), (ops.scatter, ([device] * 2,))):
-        for row, erow in zip(fn(xs, -2, [2, 3], *args), ref.split_contiguous(xs, -2, [2, 3])):
-            for o, e in zip(row, erow):
-                assert_bitexact(o, e)
-
-
-def test_outputs_of_inputs_without_grad_do_not_require_grad(device):
-    """A mask split or transposed alongside x keeps requires_grad=False, as with the reference."""
-    x = torch.randn(4, 3, device=device, requires_grad=True)
-    m = torch.randn(4, 3, device=device)
-    for fn in (ops, ref):
-        assert [t.requires_grad for t in fn.transpose01(x, m)] == [True, False]
-        parts = fn.scatter([m, x], 0, [1, 3], [device] * 2)
-        assert [[t.requires_grad for t in row] for row in parts] == [[False, False], [True, True]]
-        assert fn.gather([m, x], 0, device).requires_grad
-    parts = ops.split_contiguous([m, x], 1, [2, 1])
-    (parts[1][0].sum() * 2 + parts[1][1].sum()).backward()
-    assert torch.equal(x.grad, torch.tensor([[2.0, 2.0, 1.0]] * 4, device=device))
-
-
-def test_forward_mode_ad(device):
-    """Tangents pass through every op (they were silently dropped: tangent None)."""
-    import torch.autograd.forward_ad as fwAD
-
-    x, tx = torch.randn(4, 3, 2, device=device), torch.randn(4, 3, 2, device=device)
-    y = torch.randn(4, 5, device=device)
-    with fwAD.dual_level():
-        dx = fwAD.make_dual(x, tx)
-        a, b = ops.transpose01(dx, y)
-        assert torch.equal(fwAD.unpack_dual(a).tangent, tx.transpose(0, 1))
-        assert fwAD.unpack_dual(b).tangent is None
-        parts = ops.split_contiguous([y, dx], 0, [1, 3])
-        assert fwAD.unpack_dual(parts[0][0]).tangent is None
-        assert torch.equal(fwAD.unpack_dual(parts[1][1]).tangent, tx[1:])
-        parts = ops.scatter([dx], 1, [2, 1], [device] * 2)[0]
-        assert torch.equal(fwAD.unpack_dual(parts[0]).tangent, tx[:, :2])
-        g = ops.gather([x[:, :1], dx, x], 1, device)  # chunks without a tangent contribute zeros
-        assert torch.equal(fwAD.unpack_dual(g).tangent, torch.cat([torch.zeros_like(x[:, :1]), tx, 0 * x], 1))
-    jvp = torch.func.jvp(lambda t: ops.transpose01(t)[0], (x,), (tx,))[1]
-    assert torch.equal(jvp, tx.transpose(0, 1))

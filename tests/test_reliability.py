@@ -1,4 +1,4 @@
-"""Reliability (issue 9): failing replicas, long runs, hostile input, concurrency and properties of the ops and the
+"""Reliability: failing replicas, long runs, hostile input, concurrency and properties of the ops and the
 planner. Everything runs on the CPU rehearsal ``device_ids=["cpu"] * n``; the CUDA test is marked."""
 
 from __future__ import annotations
@@ -22,21 +22,13 @@ import dpfast
 from dpfast import reference
 from dpfast._splits import split_sizes
 
+from dp_testing import MLP
+
 DT = torch.float64
 PROPS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-class MLP(nn.Module):
-    def __init__(self, f_in=4, hidden=8, f_out=2):
-        super().__init__()
-        self.l1 = nn.Linear(f_in, hidden)
-        self.l2 = nn.Linear(hidden, f_out)
-
-    def forward(self, x):
-        return self.l2(torch.tanh(self.l1(x)))
 
 
 def _grads(module):
@@ -56,7 +48,7 @@ class FailEveryK(nn.Module):
 
     def __init__(self, k: int, target: int, where: str):
         super().__init__()
-        self.mlp = MLP(5)
+        self.mlp = MLP(5, 2, hidden=8)
         self.k, self.target, self.where = k, target, where
         self.calls = 0  # calls by the target replica only (other replicas never touch it)
         self.lock = threading.Lock()
@@ -204,45 +196,11 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
-def test_forked_child_gets_a_working_pool_even_if_the_lock_was_held():
-    """A fork while another thread holds the pool's lock must not leave the child's pool locked forever."""
-    import time
-
-    from dpfast._workers import WorkerPool
-
-    pool = WorkerPool(name="fork-test")
-    done = threading.Event()
-    pool.submit(lambda: None, done)  # the parent has a worker
-    assert done.wait(5)
-    with pool._lock:  # as if a worker were releasing itself at the moment of the fork
-        pid = os.fork()
-        if pid == 0:  # child: one thread; the parent's workers do not exist here
-            try:
-                ran = threading.Event()
-                pool.submit(ran.set, threading.Event())
-                os._exit(0 if ran.wait(5) and len(pool.threads()) == 1 else 1)
-            except BaseException:
-                os._exit(2)
-    deadline = time.monotonic() + 20
-    while True:
-        waited, status = os.waitpid(pid, os.WNOHANG)
-        if waited:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child hung on the pool's lock")
-        time.sleep(0.05)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
-    pool.shutdown()
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads RSS from /proc")
 def test_soak_1000_steps_no_growth_and_gradients_match_plain_module():
     torch.manual_seed(0)
-    module = MLP().to(DT)
+    module = MLP(4, 2, hidden=8).to(DT)
     plain = copy.deepcopy(module)
     opt = torch.optim.SGD(module.parameters(), lr=0.05)
     ref_opt = torch.optim.SGD(plain.parameters(), lr=0.05)
@@ -741,7 +699,7 @@ def test_two_instances_from_two_threads_at_once():
     torch.manual_seed(0)
     cases = []
     for n, rows in [(2, 9), (3, 7)]:
-        module = MLP().to(DT)
+        module = MLP(4, 2, hidden=8).to(DT)
         xs = [torch.randn(rows, 4, dtype=DT) for _ in range(4)]
         expected = []
         for x in xs:
@@ -749,7 +707,7 @@ def test_two_instances_from_two_threads_at_once():
             grads = torch.autograd.grad(out.square().sum(), list(module.parameters()))
             expected.append((out.detach(), grads))
         cases.append((dpfast.DataParallel(module, ["cpu"] * n), module, xs, expected))
-    shared = dpfast.DataParallel(MLP().to(DT), ["cpu"] * 2)  # and one instance shared by both threads
+    shared = dpfast.DataParallel(MLP(4, 2, hidden=8).to(DT), ["cpu"] * 2)  # and one instance shared by both threads
     shared_x = torch.randn(5, 4, dtype=DT)
     shared_expected = shared.module(shared_x).detach()
 

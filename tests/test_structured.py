@@ -1,4 +1,4 @@
-"""Structured inputs and outputs (issue 6): PackedSequence, dataclasses, typing.NamedTuple, OrderedDict, defaultdict
+"""Structured inputs and outputs: PackedSequence, dataclasses, typing.NamedTuple, OrderedDict, defaultdict
 and non-tensor leaves, in and out, against the plain module on the CPU rehearsal ``device_ids=["cpu"] * n``."""
 
 from __future__ import annotations

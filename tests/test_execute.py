@@ -1,0 +1,209 @@
+"""Running the replicas (dpfast._execute, dpfast._workers): exceptions named by replica and device, nothing left
+running behind a call, the caller's thread-local state (grad and inference mode, autocast, saved-tensor hooks) in
+every replica thread, and the worker pool across forks."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import dpfast
+
+# ---- exceptions and threads -----------------------------------------------------------------------------------
+
+
+class Fails(nn.Module):
+    def forward(self, x):
+        if (x < 0).any():
+            raise ValueError(f"negative input in a chunk of {x.shape[0]}")
+        return x
+
+
+def test_replica_exception_names_replica_and_device():
+    x = torch.tensor([1.0, 2, 3, 4, 5, -6, 7])  # chunks [2, 2, 2, 1] on 4 replicas: -6 lands in replica 2
+    with pytest.raises(ValueError, match=r"^replica 2 on cpu raised ValueError: negative input in a chunk of 2$") as e:
+        dpfast.DataParallel(Fails(), ["cpu"] * 4)(x)
+    cause = e.value.__cause__
+    assert type(cause) is ValueError and str(cause) == "negative input in a chunk of 2"
+    assert cause.__traceback__ is not None
+
+
+def test_no_work_left_behind_and_no_thread_growth():
+    finished = []
+
+    class SlowAndFailing(nn.Module):
+        def forward(self, x):
+            if x.shape[0] == 1:
+                raise ValueError("fast failure")
+            time.sleep(0.2)
+            finished.append(x.shape[0])
+            return x
+
+    dp = dpfast.DataParallel(SlowAndFailing(), ["cpu"] * 3)
+    with pytest.raises(ValueError, match="replica 2 on cpu raised ValueError: fast failure"):
+        dp(torch.zeros(5))  # chunks [2, 2, 1]
+    assert sorted(finished) == [2, 2]  # the call raised only after the slow replicas had finished
+    before = threading.active_count()
+    for _ in range(5):
+        with pytest.raises(ValueError):
+            dp(torch.zeros(5))
+        dpfast.DataParallel(Fails(), ["cpu"] * 3)(torch.ones(6))
+    # idle workers are reused, not piled up; the pools of the discarded instances stop their workers as they are
+    # collected, which happens on other threads' time: wait for that rather than race it
+    deadline = time.monotonic() + 10
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() <= before
+
+
+def test_replica_exception_several_and_unbuildable_types():
+    class Odd(Exception):
+        def __init__(self, a, b):
+            super().__init__(f"{a}/{b}")
+
+    class M(nn.Module):
+        def forward(self, x):
+            raise Odd(x.shape[0], "x")
+
+    with pytest.raises(RuntimeError, match=r"^replica 0 on cpu raised Odd: 2/x \(2 other replicas failed too\)$") as e:
+        dpfast.DataParallel(M(), ["cpu"] * 3)(torch.zeros(6))
+    assert isinstance(e.value.__cause__, Odd)
+
+
+def test_single_replica_runs_inline_and_raises_unchanged():
+    threads = []
+
+    class M(nn.Module):
+        def forward(self, x):
+            threads.append(threading.current_thread())
+            if x.shape[0] == 0:
+                raise KeyError("empty")
+            return x
+
+    dp = dpfast.DataParallel(M(), ["cpu"] * 4)
+    dp(torch.zeros(1, 2))
+    assert threads == [threading.current_thread()]
+    with pytest.raises(KeyError, match="empty"):
+        dp(torch.zeros(0, 2))
+
+
+def test_replicas_run_in_threads_with_grad_inference_and_autocast_state():
+    seen = []
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            seen.append(
+                (threading.current_thread().name, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), y.dtype)
+            )
+            return y
+
+    dp = dpfast.DataParallel(M(), ["cpu"] * 3)
+    x = torch.randn(6, 4)
+    assert dp(x).requires_grad
+    assert (
+        len({s[0] for s in seen}) == 3
+        and all(  # one thread per replica (names: idents get reused)
+            s[1:] == (True, False, torch.float32) for s in seen
+        )
+    )
+    seen.clear()
+    with torch.no_grad():
+        assert not dp(x).requires_grad
+    assert all(s[1:] == (False, False, torch.float32) for s in seen)
+    seen.clear()
+    with torch.inference_mode():
+        dp(x)
+    assert all(s[1:] == (False, True, torch.float32) for s in seen)
+    seen.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert dp(x).dtype == torch.bfloat16
+    assert all(s[1:] == (True, False, torch.bfloat16) for s in seen)
+    seen.clear()
+    dp(x)
+    assert all(s[3] == torch.float32 for s in seen)  # the autocast state did not leak into the workers
+
+
+def test_saved_tensor_hooks_reach_every_replica():
+    """save_on_cpu-style hooks set around the call apply in the worker threads too, and only during the call."""
+    packed = []
+
+    def pack(t):
+        packed.append(threading.current_thread().name)
+        return t.clone()  # a copy, as an offloading hook would make
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    dp = dpfast.DataParallel(module, ["cpu"] * 3)
+    x = torch.randn(9, 4)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = dp(x)
+    assert len(set(packed)) == 3  # the caller and both workers packed their replicas' saved tensors
+    out.square().sum().backward()
+    got = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad()
+    module(x).square().sum().backward()
+    for g, p in zip(got, module.parameters()):
+        torch.testing.assert_close(g, p.grad)
+    packed.clear()
+    dp(x)
+    assert packed == []  # the hooks did not stay behind in the workers
+
+
+def test_replica_key_error_keeps_its_type():
+    """A KeyError in a replica (str(KeyError(m)) is repr(m)) came back as a RuntimeError, unlike torch's
+    parallel_apply, so `except KeyError` around the call stopped working."""
+
+    class M(nn.Module):
+        def forward(self, x):
+            return {"a": x}["b"]
+
+    with pytest.raises(KeyError, match="replica 0 on cpu raised KeyError: 'b'") as e:
+        dpfast.DataParallel(M(), ["cpu"] * 2)(torch.zeros(4))
+    assert isinstance(e.value.__cause__, KeyError)
+
+
+# ---- the worker pool ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_child_gets_a_working_pool_even_if_the_lock_was_held():
+    """A fork while another thread holds the pool's lock must not leave the child's pool locked forever."""
+    import time
+
+    from dpfast._workers import WorkerPool
+
+    pool = WorkerPool(name="fork-test")
+    done = threading.Event()
+    pool.submit(lambda: None, done)  # the parent has a worker
+    assert done.wait(5)
+    with pool._lock:  # as if a worker were releasing itself at the moment of the fork
+        pid = os.fork()
+        if pid == 0:  # child: one thread; the parent's workers do not exist here
+            try:
+                ran = threading.Event()
+                pool.submit(ran.set, threading.Event())
+                os._exit(0 if ran.wait(5) and len(pool.threads()) == 1 else 1)
+            except BaseException:
+                os._exit(2)
+    deadline = time.monotonic() + 20
+    while True:
+        waited, status = os.waitpid(pid, os.WNOHANG)
+        if waited:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung on the pool's lock")
+        time.sleep(0.05)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    pool.shutdown()

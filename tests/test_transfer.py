@@ -1,0 +1,203 @@
+"""The transfer stages of a DataParallel call: argument trees scattered to the replicas (PackedSequences by
+sequence), output trees gathered back (concatenation, stacking of 0-dim outputs, None, sum/mean), and their errors.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.nn.utils.rnn import PackedSequence, pack_sequence, pad_packed_sequence
+
+import dpfast
+
+from dp_testing import DT, Losses, weighted_loss
+
+# ---- PackedSequence -------------------------------------------------------------------------------------------------
+
+
+class PackedLSTM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(3, 4)
+
+    def forward(self, ps):
+        out, (h, c) = self.lstm(ps)
+        return out, h
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_packed_sequence_split_by_sequence(n):
+    torch.manual_seed(8)
+    lengths = [3, 5, 1, 4, 4, 2, 5]
+    seqs1 = [torch.randn(k, 3, dtype=DT, requires_grad=True) for k in lengths]
+    seqs2 = [s.detach().clone().requires_grad_(True) for s in seqs1]
+    module = PackedLSTM().to(DT)
+    reference = copy.deepcopy(module)
+    dp = dpfast.DataParallel(module, ["cpu"] * n, out_dims=(0, 1))
+    out, h = dp(pack_sequence(seqs1, enforce_sorted=False))
+    ref_out, ref_h = reference(pack_sequence(seqs2, enforce_sorted=False))
+    assert isinstance(out, PackedSequence)
+    padded, lens = pad_packed_sequence(out)
+    ref_padded, ref_lens = pad_packed_sequence(ref_out)
+    torch.testing.assert_close(lens, ref_lens)
+    torch.testing.assert_close(padded, ref_padded)
+    torch.testing.assert_close(h, ref_h)
+    weighted_loss((padded, h)).backward()
+    weighted_loss((ref_padded, ref_h)).backward()
+    for p, q in zip(module.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    for s1, s2 in zip(seqs1, seqs2):
+        torch.testing.assert_close(s1.grad, s2.grad)
+    assert "packed(B=7" in str(dp.plan(pack_sequence(seqs1, enforce_sorted=False)))
+
+
+def test_packed_sequence_replicated_under_none():
+    seen = []
+
+    class M(nn.Module):
+        def forward(self, x, ps):
+            seen.append(ps)
+            return x
+
+    ps = pack_sequence([torch.ones(2, 1), torch.ones(1, 1)])
+    dpfast.DataParallel(M(), ["cpu"] * 2, in_dims={"ps": None})(torch.zeros(4), ps)
+    assert seen == [ps, ps]
+
+
+# ---- output errors ---------------------------------------------------------------------------------------------------
+
+
+def test_output_errors():
+    class Ragged(nn.Module):
+        def forward(self, x):
+            return (x,) if x.shape[0] == 2 else [x]
+
+    with pytest.raises(
+        ValueError,
+        match=r"replicas returned different output structures: replica 0 returned a "
+        r"tuple of length 1, replica 1 returned a list of length 1",
+    ):
+        dpfast.DataParallel(Ragged(), ["cpu"] * 2)(torch.zeros(3))
+
+    class Label(nn.Module):
+        def forward(self, x):
+            return x, "label"
+
+    # non-tensor outputs equal across replicas come back once (tests/test_structured.py has the list case)
+    assert dpfast.DataParallel(Label(), ["cpu"] * 2)(torch.zeros(3))[1] == "label"
+
+    class Mixed(nn.Module):
+        def forward(self, x):
+            return x, (x if x.shape[0] == 2 else "label")
+
+    with pytest.raises(
+        TypeError,
+        match=r"output `output\[1\]` is Tensor/str, which cannot be concatenated along "
+        r"axis 0; give it out_dims None",
+    ):
+        dpfast.DataParallel(Mixed(), ["cpu"] * 2)(torch.zeros(3))
+    out = dpfast.DataParallel(Label(), ["cpu"] * 2, out_dims=(0, None))(torch.zeros(3))
+    assert out[1] == "label"
+
+    with pytest.raises(
+        ValueError,
+        match=r"output `output` cannot be concatenated along axis 2: replica 0 returned "
+        r"shape \(2, 1\)",
+    ):
+        dpfast.DataParallel(nn.Identity(), ["cpu"] * 2, out_dims=2)(torch.zeros(3, 1))
+
+    class Varying(nn.Module):
+        def forward(self, x):
+            return torch.zeros(x.shape[0], x.shape[0])
+
+    with pytest.raises(
+        ValueError,
+        match=r"output `output` cannot be concatenated along axis 0: replica 1 returned "
+        r"\(1, 1\) torch.float32, replica 0 \(2, 2\)",
+    ):
+        dpfast.DataParallel(Varying(), ["cpu"] * 2)(torch.zeros(3))
+    with pytest.raises(ValueError, match=r"output `output` cannot be averaged across replicas"):
+        dpfast.DataParallel(Varying(), ["cpu"] * 2, out_dims="mean")(torch.zeros(3))
+    with pytest.raises(TypeError, match=r"output `output\[1\]` is str; out_dims 'sum' needs tensors or numbers"):
+        dpfast.DataParallel(Label(), ["cpu"] * 2, out_dims=(0, "sum"))(torch.zeros(3))
+
+
+def test_out_dims_structure_errors():
+    dp = dpfast.DataParallel(Losses(), ["cpu"] * 2, out_dims=("mean", "sum"))
+    with pytest.raises(ValueError, match=r"out_dims for `output` has 2 specs but `output` is a tuple of length 3"):
+        dp(torch.randn(4, 4), torch.randn(4, 2))
+    dp = dpfast.DataParallel(Losses(), ["cpu"] * 2, out_dims={"loss": "mean"})
+    with pytest.raises(
+        TypeError,
+        match=r"out_dims for `output` is a dict with keys \['loss'\], but `output` is a "
+        r"tuple of length 3",
+    ):
+        dp(torch.randn(4, 4), torch.randn(4, 2))
+
+
+# ---- gathered outputs -----------------------------------------------------------------------------------------
+
+
+def test_scalar_outputs_stack_like_torch():
+    torch.manual_seed(5)
+    module = Losses().to(DT)
+    x, y = torch.randn(7, 4, dtype=DT), torch.randn(7, 2, dtype=DT)
+    mse, sse, _ = dpfast.DataParallel(module, ["cpu"] * 3)(x, y)
+    assert mse.shape == (3,) and sse.shape == (3,)
+    expected = torch.stack([module(x[a:b], y[a:b])[1] for a, b in [(0, 3), (3, 5), (5, 7)]])
+    torch.testing.assert_close(sse, expected)
+
+
+def test_none_output_is_replica_zero_value_and_numbers_reduce():
+    class M(nn.Module):
+        def forward(self, x):
+            return {"n": x.shape[0], "first": x[0], "mean_n": float(x.shape[0])}
+
+    out = dpfast.DataParallel(M(), ["cpu"] * 3, out_dims={"n": "sum", "first": None, "mean_n": "mean"})(
+        torch.arange(7.0)[:, None]
+    )
+    assert out["n"] == 7 and out["first"].item() == 0.0
+    assert out["mean_n"] == pytest.approx((3 * 3 + 2 * 2 + 2 * 2) / 7)
+
+
+# ---- properties ---------------------------------------------------------------------------------------------------
+
+
+class Echo(nn.Module):
+    def forward(self, a, b):
+        return a, b
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_scatter_gather_identity(data):
+    n = data.draw(st.integers(1, 5), label="n")
+    batch = data.draw(st.integers(0, 12), label="B")
+    ndim_a = data.draw(st.integers(1, 3), label="ndim a")
+    ndim_b = data.draw(st.integers(1, 3), label="ndim b")
+    da = data.draw(st.integers(-ndim_a, ndim_a - 1), label="dim a")
+    db = data.draw(st.integers(-ndim_b, ndim_b - 1), label="dim b")
+    weights = data.draw(st.none() | st.lists(st.integers(0, 4), min_size=n, max_size=n).filter(any), label="w")
+
+    def shape(ndim, d):
+        s = [data.draw(st.integers(1, 3)) for _ in range(ndim)]
+        s[d] = batch
+        return s
+
+    a = torch.randn(shape(ndim_a, da), dtype=DT, requires_grad=True)
+    b = torch.randint(0, 100, shape(ndim_b, db))
+    dp = dpfast.DataParallel(Echo(), ["cpu"] * n, in_dims=[da, db], out_dims=(da, db), chunk_sizes=weights)
+    plan = dp.plan(a, b)
+    assert sum(s for _, _, s in plan.replicas) == batch
+    out_a, out_b = dp(a, b)
+    assert torch.equal(out_a, a) and torch.equal(out_b, b)
+    if n > 1:
+        assert out_a is not a  # moved through the ops, not aliased (one device calls the module directly)
+    if batch:
+        out_a.sum().backward()
+        assert torch.equal(a.grad, torch.ones_like(a))

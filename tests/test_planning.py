@@ -160,3 +160,24 @@ def test_plan_raises_like_the_call():
     dp = dpfast.DataParallel(Three(), ["cpu"] * 2)
     with pytest.raises(ScatterError):
         dp.plan(torch.zeros(4, 3), torch.zeros(5, 4))
+
+
+def test_the_call_is_checked_against_its_plan(monkeypatch):
+    """conftest's autouse check runs every DataParallel call of the suite against its plan(): it counts this call,
+    and it catches a plan that says other sizes than the call uses."""
+    import conftest
+
+    dp = dpfast.DataParallel(nn.Linear(3, 2), ["cpu"] * 3)
+    before = conftest.PLAN_CHECKS["calls"]
+    dp(torch.randn(7, 3))
+    assert conftest.PLAN_CHECKS["calls"] == before + 1
+    real_plan = dp.plan
+
+    def lying_plan(*args, **kwargs):
+        plan = real_plan(*args, **kwargs)
+        plan.sizes = [1, 1, 5]
+        return plan
+
+    monkeypatch.setattr(dp, "plan", lying_plan)
+    with pytest.raises(AssertionError):
+        dp(torch.randn(7, 3))

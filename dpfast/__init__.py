@@ -15,6 +15,10 @@ from ._extension import build_info
 
 __all__ = [
     "DataParallel",
+    "all_gather",
+    "all_reduce",
+    "replica_count",
+    "replica_index",
     "DistributedDataParallel",
     "ScatterError",
     "build_info",
@@ -29,6 +33,10 @@ _LAZY = {
     "ScatterError": ("dpfast._errors", "ScatterError"),
     "DistributedDataParallel": ("dpfast.distributed", "DistributedDataParallel"),
     "nn": ("dpfast.nn", None),
+    "all_gather": ("dpfast._collectives", "all_gather"),
+    "all_reduce": ("dpfast._collectives", "all_reduce"),
+    "replica_index": ("dpfast._collectives", "replica_index"),
+    "replica_count": ("dpfast._collectives", "replica_count"),
 }
 
 

@@ -1,14 +1,13 @@
-"""Run the replicas concurrently, like ``torch.nn.parallel.parallel_apply``, on a persistent worker pool.
+"""Run a call's replicas, like ``torch.nn.parallel.parallel_apply``: replicas on different devices concurrently,
+replicas sharing a device one at a time (:mod:`dpfast._rendezvous`), so a rehearsal on one device runs inline.
 
 Grad mode, inference mode, autocast, saved-tensor hooks (``torch.autograd.graph.save_on_cpu`` and the like) and
-each CUDA device's current stream are thread-local in PyTorch, so they are read in the caller and re-entered in the
-worker for each task (and left when it ends, so nothing leaks into the next task). Replica 0 runs in the calling
-thread (one thread fewer, and its state is the caller's own). A single replica runs inline and its exceptions
+each CUDA device's current stream are thread-local in PyTorch, so they are read in the caller and re-entered in each
+worker task (and left when it ends, so nothing leaks into the next task). Worker threads come from the caller's
+:class:`~dpfast._workers.WorkerPool` (torch's parallel_apply starts fresh threads every step, and a fresh thread
+pays for its first ATen call; benchmarks/RESULTS.md has the figures). A call returns or raises only after every one
+of its tasks has finished, so no work is left running behind it. A single replica runs inline and its exceptions
 propagate unchanged.
-
-The other replicas run on the caller's :class:`~dpfast._workers.WorkerPool` (torch's parallel_apply starts fresh
-threads every step, and a fresh thread pays for its first ATen call; benchmarks/RESULTS.md has the figures). A
-call returns or raises only after every one of its tasks has finished, so no work is left running behind it.
 """
 
 from __future__ import annotations
@@ -21,6 +20,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ._collectives import check_collective
+from ._rendezvous import Call, solo_context
 from ._workers import WorkerPool
 
 
@@ -90,53 +91,80 @@ def run_replicas(
     devices: Sequence[torch.device],
     pool: WorkerPool | None = None,
 ) -> list[Any]:
-    """``modules[i](*inputs[i][0], **inputs[i][1])`` for every ``i``, concurrently; results in replica order."""
+    """``modules[i](*inputs[i][0], **inputs[i][1])`` for every ``i``; results in replica order.
+
+    Replicas on different devices run concurrently; replicas sharing a device take turns (see
+    :mod:`dpfast._rendezvous`), so a rehearsal on one device is deterministic and runs inline.
+    """
     n = len(modules)
     if n == 1:
         args, kwargs = inputs[0]
-        with torch.cuda.device(devices[0]) if devices[0].type == "cuda" else contextlib.nullcontext():
+        with _device_guard(devices[0]), solo_context():
             return [modules[0](*args, **kwargs)]
-    state = _State(devices)
+    if pool is None:
+        raise ValueError("run_replicas: several replicas need a WorkerPool to run on")
     results: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
+    state = _State(devices)
+    tasks: list[threading.Event] = []
 
-    def work(i: int) -> None:
+    def run(i: int) -> BaseException | None:
         try:
-            with contextlib.ExitStack() as stack:
-                state.enter(devices[i], stack)
-                args, kwargs = inputs[i]
+            args, kwargs = inputs[i]
+            with _device_guard(devices[i]):
                 results[i] = modules[i](*args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
             errors[i] = exc
+        # (returned from outside the except clause: a frame that still named the exception would form a cycle
+        # with its traceback, and keep this replica's outputs alive until the garbage collector runs)
+        return errors[i]
 
-    done = [threading.Event() for _ in range(1, n)]
-    started = 0
-    if pool is None:
-        raise ValueError("run_replicas: several replicas need a WorkerPool to run on")
+    def spawn(fn: Callable[[], None], device: torch.device) -> None:
+        def task() -> None:
+            with contextlib.ExitStack() as stack:
+                state.enter(device, stack)
+                fn()
+
+        done = threading.Event()
+        tasks.append(done)
+        pool.submit(task, done)
+
+    call = Call(devices, run, spawn, check_collective)
     try:
-        for i in range(1, n):
-            pool.submit(lambda i=i: work(i), done[i - 1])
-            started += 1
-        work(0)
+        call.run_all()
     finally:
-        interrupted: BaseException | None = None
-        for ev in done[:started]:
-            while not ev.is_set():  # wait even if the caller is interrupted while waiting, then re-raise that
-                try:
-                    ev.wait()
-                except KeyboardInterrupt as exc:  # pragma: no cover
-                    interrupted = exc
-        if interrupted is not None:  # pragma: no cover
-            raise interrupted
-    failed = [i for i in range(n) if errors[i] is not None]
+        _wait_all(tasks)
+    # The root cause first: a replica's own exception over the collective errors it caused in the others.
+    primary = [i for i in range(n) if errors[i] is not None and not getattr(errors[i], "secondary", False)]
+    failed = primary or [i for i in range(n) if errors[i] is not None]
     if failed:
         i = failed[0]
         exc = errors[i]
         assert exc is not None
-        # The original's traceback holds work()'s frame, whose closure holds these lists: empty them so the
+        # The original's traceback holds run()'s frame, whose closure holds these lists: empty them so the
         # exception -> traceback -> frame -> list -> exception cycle cannot keep the other replicas' outputs (and
         # their autograd graphs) alive until the garbage collector runs.
         errors.clear()
         results.clear()
-        raise _wrap(exc, i, devices[i], len(failed)) from exc
+        try:
+            raise _wrap(exc, i, devices[i], len(failed)) from exc
+        finally:
+            del exc  # the traceback keeps this frame: it must not name the exception (a cycle, as above)
     return results
+
+
+def _device_guard(device: torch.device) -> Any:
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _wait_all(tasks: Sequence[threading.Event]) -> None:
+    """Wait for every worker task, even if the caller is interrupted while waiting (then re-raise that)."""
+    interrupted: BaseException | None = None
+    for ev in list(tasks):
+        while not ev.is_set():
+            try:
+                ev.wait()
+            except KeyboardInterrupt as exc:  # pragma: no cover
+                interrupted = exc
+    if interrupted is not None:  # pragma: no cover
+        raise interrupted

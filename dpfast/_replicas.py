@@ -1,25 +1,25 @@
-"""One module per replica: the module itself on its own device, persistent differentiable copies elsewhere.
+"""One module per replica: the module itself for the first slot on its device, a replica for every other slot.
 
-A replica on the module's device *is* the module, so ``device_ids=["cpu"] * 4`` or ``[0, 0]`` runs the same module
-object several times concurrently: a rehearsal of a multi-GPU run on one device. Replicas that share a device share
-one module (like the inputs they get, a replica's state is never written back: see torch.nn.parallel.replicate).
+Replicas behave like separate devices. A replica on the module's own device (``["cpu"] * 4``, ``[0, 0]``) shares
+the module's parameters (no copy: gradients sum onto them) but has its own buffers, cloned from the module's at the
+start of each call, and its own attributes: whatever its forward changes is discarded, as it is on another GPU,
+so a BatchNorm counts one batch per call (replica 0's) and nothing races. Replicas on another (CUDA) device get
+that device's copy of the parameters (one coalesced broadcast per device, shared by its replicas, connected to the
+originals by autograd as with ``torch.nn.parallel.replicate``) and buffers of their own.
 
-Other (CUDA) devices get copies. ``torch.nn.parallel.replicate`` rebuilds every module of the tree on every device
-at every step; here the copies are **persistent**: :class:`ReplicaCache` builds the module tree once per set of
-target devices, and each step only broadcasts the parameters and buffers from the source (coalesced, through
-``torch.nn.parallel._functions.Broadcast`` under grad mode, so every copy is a non-leaf connected to the original
-by autograd and gradients sum back onto it, exactly as with torch's replicate) and writes the copies into the
-replicas' attribute slots. After the step the slots are cleared, so no copy and no graph outlives the step.
+The replicas are **persistent**: :class:`ReplicaCache` builds the module tree once per list of replica devices, and
+each step only writes the parameters and fresh buffers into the replicas' attribute slots. They stay there until
+the next step replaces them, since a backward may need them (``torch.utils.checkpoint`` recomputes a replica's
+forward from its module). Attributes a replica's forward set are undone at the next step.
 
 Invalidation: at build time each source module's ``__dict__``, ``_parameters``, ``_buffers`` and ``_modules`` are
 snapshotted (shallow), and each step checks by identity that none of them changed. That catches parameters or
 buffers added, removed or replaced (``load_state_dict(assign=True)``, ``.to()`` under
 ``torch.__future__.set_overwrite_module_params_on_conversion(True)``), submodules added or replaced anywhere in
-the tree, ``train()``/``eval()`` (the ``training`` attribute) and any other attribute reassigned on any module
-(torch's replicas copy them each step, so ours must see the new value too). In-place changes -- ``.to()``'s usual
-in-place conversion, ``load_state_dict``'s copy, an optimizer step -- need no rebuild: the values are broadcast
-from the source at every step, whatever their dtype. A module that reassigns an attribute of itself in every
-``forward`` is rebuilt every step: correct, and no slower than torch's replicate.
+the tree, ``train()``/``eval()`` and any other attribute reassigned on any module. In-place changes (``.to()``'s
+usual conversion, ``load_state_dict``'s copy, an optimizer step) need no rebuild: values are taken from the source
+at every step. A module that reassigns an attribute of itself in every ``forward`` is rebuilt every step: correct,
+and no slower than torch's replicate.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-# Private test switch: when true, every slot after the first on the source device gets its own copy (as if it
-# were another device), so that the persistent-replica machinery (build, refresh, invalidation, gradients summing
-# back onto the source) runs and is tested on the CPU. Copies are then made with autograd-connected clones instead
-# of a CUDA broadcast. Never set it in real use: copies on the source device only cost time and memory.
+# Private test switch: when true, every slot after the first on the source device gets its own full copy of the
+# parameters (as if it were another device), so that the copy machinery (broadcast, refresh, invalidation,
+# gradients summing back onto the source) runs and is tested on the CPU, with autograd-connected clones instead of
+# a CUDA broadcast. Never set it in real use: copies on the source device only cost time and memory.
 _COPY_ON_SOURCE_DEVICE = False
 
 
@@ -51,28 +51,24 @@ def check_module_device(module: nn.Module, source: torch.device) -> None:
             )
 
 
-def _targets(source: torch.device, devices: Sequence[torch.device]) -> tuple[list, list]:
-    """``(slot_of, targets)``: for each entry of ``devices``, None (the module itself) or an index into
-    ``targets``, the devices that get a copy (each distinct other device once)."""
-    targets: list[torch.device] = []
+def _slots(source: torch.device, devices: Sequence[torch.device]) -> tuple[list[int | None], list[torch.device]]:
+    """``(slot_of, replica_devices)``: for each entry of ``devices``, None (the module itself: the first entry on
+    the source device) or the index of its replica in ``replica_devices`` (one replica per other entry)."""
     slot_of: list[int | None] = []
+    replica_devices: list[torch.device] = []
     seen_source = False
     for d in devices:
-        if d == source and not (_COPY_ON_SOURCE_DEVICE and seen_source):
+        if d == source and not seen_source:
             seen_source = True
             slot_of.append(None)
-        elif d == source:  # test switch: a copy per extra slot on the source device
-            targets.append(d)
-            slot_of.append(len(targets) - 1)
         else:
-            if d not in targets:
-                targets.append(d)
-            slot_of.append(targets.index(d))
-    return slot_of, targets
+            slot_of.append(len(replica_devices))
+            replica_devices.append(d)
+    return slot_of, replica_devices
 
 
-def _check_copyable(source: torch.device, targets: Sequence[torch.device]) -> None:
-    others = [d for d in targets if d != source]
+def _check_copyable(source: torch.device, devices: Sequence[torch.device]) -> None:
+    others = [d for d in dict.fromkeys(devices) if d != source]
     if others and (source.type != "cuda" or any(d.type != "cuda" for d in others)):
         raise ValueError(
             f"cannot copy a module on {source} to {', '.join(map(str, others))}: copies are made for CUDA devices "
@@ -84,6 +80,8 @@ def _broadcast(
     tensors: Sequence[torch.Tensor], source: torch.device, targets: Sequence[torch.device], detach: bool
 ) -> list[list[torch.Tensor]]:
     """A copy of every tensor per target device, ``[target][tensor]``; autograd-connected unless ``detach``."""
+    if not targets:
+        return []
     if not tensors:
         return [[] for _ in targets]
     if all(d.type == "cuda" for d in targets) and source.type == "cuda":
@@ -106,23 +104,62 @@ def _same(now: dict, snap: dict) -> bool:
     return len(now) == len(snap) and all(map(operator.is_, now.values(), snap.values())) and now.keys() == snap.keys()
 
 
-class _ReplicaSet:
-    """The module tree copied once per target device, with the slots each step writes the broadcast copies into."""
+def _fresh(t: torch.Tensor, detach: bool) -> torch.Tensor:
+    """A replica's own copy of a buffer: autograd-connected when it requires grad, as torch broadcasts it."""
+    return t.detach().clone() if detach or not t.requires_grad else t.clone()
 
-    def __init__(self, root: nn.Module, source: torch.device, targets: Sequence[torch.device]):
+
+def _buffer_copies(
+    buffers: Sequence[torch.Tensor], source: torch.device, devices: Sequence[torch.device], detach: bool
+) -> list[list[torch.Tensor]]:
+    """Per device, a copy of every buffer: broadcast with autograd for those that require grad, detached else."""
+    rg = [k for k, b in enumerate(buffers) if b.requires_grad and not detach]
+    if not rg:
+        return _broadcast(buffers, source, devices, True)
+    nrg = [k for k in range(len(buffers)) if k not in set(rg)]
+    c_rg = _broadcast([buffers[k] for k in rg], source, devices, False)
+    c_nrg = _broadcast([buffers[k] for k in nrg], source, devices, True)
+    rows = []
+    for row_rg, row_nrg in zip(c_rg, c_nrg):
+        row: list = [None] * len(buffers)
+        for k, t in zip(rg, row_rg):
+            row[k] = t
+        for k, t in zip(nrg, row_nrg):
+            row[k] = t
+        rows.append(row)
+    return rows
+
+
+class _ReplicaSet:
+    """The module tree built once per replica, with the attribute slots each step writes parameters and buffers
+    into, and a snapshot of each replica module to undo what a forward changed."""
+
+    def __init__(self, root: nn.Module, source: torch.device, devices: Sequence[torch.device]):
         self.source = source
-        self.targets = list(targets)
+        self.devices = list(devices)  # one replica per entry
+        # Parameter groups: replicas on the source device use the module's own parameters (group None); each other
+        # device gets one copy shared by its replicas (the test switch: one copy per source-device replica).
+        self.copy_devices: list[torch.device] = []
+        self.group: list[int | None] = []
+        for d in self.devices:
+            if d == source and not _COPY_ON_SOURCE_DEVICE:
+                self.group.append(None)
+            elif d == source or d not in self.copy_devices:
+                self.copy_devices.append(d)
+                self.group.append(len(self.copy_devices) - 1)
+            else:
+                self.group.append(self.copy_devices.index(d))
         modules = list(root.modules())
         self.modules = modules
         self.snapshots = [(m.__dict__.copy(), dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in modules]
         index = {id(m): i for i, m in enumerate(modules)}
-        copies = [[m._replicate_for_data_parallel() for m in modules] for _ in self.targets]
+        copies = [[m._replicate_for_data_parallel() for m in modules] for _ in self.devices]
         params = list(root.parameters())  # deduplicated: a tied parameter is broadcast once, as in torch
         param_index = {id(p): k for k, p in enumerate(params)}
         buffers = list(root.buffers())
         buffer_index = {id(b): k for k, b in enumerate(buffers)}
         self.n_params, self.n_buffers = len(params), len(buffers)
-        # slots: (target j, replica module, attribute name, tensor index, via setattr?)
+        # slots: (replica j, replica module, attribute name, tensor index, via setattr?)
         self.param_slots: list[tuple[int, nn.Module, str, int, bool]] = []
         self.buffer_slots: list[tuple[int, nn.Module, str, int, bool]] = []
         for j, row in enumerate(copies):
@@ -146,6 +183,12 @@ class _ReplicaSet:
                     else:
                         self.buffer_slots.append((j, r, key, buffer_index[id(b)], not plain))
         self.roots = [row[0] for row in copies]
+        self.clear()
+        self.pristine = [
+            (r, r.__dict__.copy(), dict(r._parameters), dict(r._buffers), dict(r._modules))
+            for row in copies
+            for r in row
+        ]
         self.lock = threading.Lock()
 
     def valid(self, root: nn.Module) -> bool:
@@ -158,50 +201,59 @@ class _ReplicaSet:
                 return False
         return True
 
+    def _undo_forward_changes(self) -> None:
+        """Attributes, submodules or buffers a replica's forward set in an earlier step: back to the module's."""
+        for r, d, p, b, c in self.pristine:
+            if not (_same(r.__dict__, d) and _same(r._parameters, p) and _same(r._buffers, b) and _same(r._modules, c)):
+                r.__dict__.clear()
+                r.__dict__.update(d)
+                for live, snap in ((r._parameters, p), (r._buffers, b), (r._modules, c)):
+                    live.clear()
+                    live.update(snap)
+
     def refresh(self) -> None:
-        """Broadcast the source's current parameters and buffers into the replicas' slots."""
+        """Write this step's parameters (the module's own, or a broadcast copy) and fresh buffers into the slots."""
+        self.clear()  # the last step's
+        self._undo_forward_changes()
         root = self.modules[0]
         detach = not torch.is_grad_enabled()
         params = list(root.parameters())
         buffers = list(root.buffers())
         if len(params) != self.n_params or len(buffers) != self.n_buffers:  # pragma: no cover - valid() caught it
             raise RuntimeError("dpfast: module changed while its replicas were refreshed")
-        pcopies = _broadcast(params, self.source, self.targets, detach)
-        # buffers that require grad are broadcast with autograd (as torch does), the others detached
-        rg = [k for k, b in enumerate(buffers) if b.requires_grad and not detach]
-        if rg:
-            rg_set = set(rg)
-            nrg = [k for k in range(len(buffers)) if k not in rg_set]
-            c_rg = _broadcast([buffers[k] for k in rg], self.source, self.targets, False)
-            c_nrg = _broadcast([buffers[k] for k in nrg], self.source, self.targets, True)
-            bcopies = []
-            for row_rg, row_nrg in zip(c_rg, c_nrg):
-                row: list = [None] * len(buffers)
-                for k, t in zip(rg, row_rg):
-                    row[k] = t
-                for k, t in zip(nrg, row_nrg):
-                    row[k] = t
-                bcopies.append(row)
-        else:
-            bcopies = _broadcast(buffers, self.source, self.targets, True)
+        pcopies = _broadcast(params, self.source, self.copy_devices, detach)
+        bcopies = _buffer_copies(buffers, self.source, self.copy_devices, detach)
+        # every replica gets buffers of its own: the first on a copy device takes that device's copy, the others
+        # (and the replicas on the source device) clone theirs
+        taken: set[int] = set()
+        own: list[list[torch.Tensor]] = []
+        for g in self.group:
+            if g is None:
+                own.append([_fresh(b, detach) for b in buffers])
+            elif g not in taken:
+                taken.add(g)
+                own.append(bcopies[g])
+            else:
+                own.append([_fresh(b, detach) for b in bcopies[g]])
         for j, r, key, k, via_setattr in self.param_slots:
-            t = pcopies[j][k]
-            # parameters of a replica are not leaves: they live as plain attributes (torch's replicate does the
-            # same with setattr); a plain dict write is what Module.__setattr__ does for a non-Parameter tensor
+            g = self.group[j]
+            t = params[k] if g is None else pcopies[g][k]
+            # parameters of a replica live as plain attributes (torch's replicate does the same with setattr); a
+            # plain dict write is what Module.__setattr__ does for a tensor that is not a registered Parameter
             if via_setattr:
                 setattr(r, key, t)
             else:
                 r.__dict__[key] = t
             r._former_parameters[key] = t
         for j, r, key, k, via_setattr in self.buffer_slots:
-            t = bcopies[j][k]
+            t = own[j][k]
             if via_setattr:
                 setattr(r, key, t)
             else:
                 r._buffers[key] = t
 
     def clear(self) -> None:
-        """Drop this step's copies (memory, and the autograd graph they belong to) from the slots."""
+        """Drop the last step's tensors (memory, and the autograd graph they belong to) from the slots."""
         for _, r, key, _, via_setattr in self.param_slots:
             if via_setattr:  # e.g. an RNN's _flat_weights list holds them too
                 setattr(r, key, None)
@@ -251,20 +303,21 @@ class ReplicaCache:
     def replicate(
         self, module: nn.Module, source: torch.device, devices: Sequence[torch.device]
     ) -> tuple[list[nn.Module], Callable[[], None]]:
-        """``(modules, done)``: one module per entry of ``devices`` (``module`` itself on ``source``) and a function
-        to call when the step's forward has run (it frees the step's copies and lets the next step reuse them)."""
-        slot_of, targets = _targets(source, devices)
-        if not targets:
+        """``(modules, done)``: one module per entry of ``devices`` (``module`` itself for the first on ``source``, a
+        replica for every other) and a function to call when the step's forward has run (it frees the step's copies
+        and lets the next step reuse them)."""
+        slot_of, replica_devices = _slots(source, devices)
+        if not replica_devices:
             return [module] * len(devices), _nothing
-        _check_copyable(source, targets)
-        key = tuple(targets)
+        _check_copyable(source, replica_devices)
+        key = (tuple(replica_devices), _COPY_ON_SOURCE_DEVICE)
         with self._lock:
             rs = self._sets.get(key)
             if rs is not None and not rs.valid(module):
                 del self._sets[key]
                 rs = None
             if rs is None:
-                rs = _ReplicaSet(module, source, targets)
+                rs = _ReplicaSet(module, source, replica_devices)
                 self.builds += 1
                 self._sets[key] = rs
                 while len(self._sets) > self.max_sets:
@@ -273,7 +326,7 @@ class ReplicaCache:
                 self._sets.move_to_end(key)
         if not rs.lock.acquire(blocking=False):
             # the same DataParallel is running in another thread right now: a one-off set for this call
-            rs = _ReplicaSet(module, source, targets)
+            rs = _ReplicaSet(module, source, replica_devices)
             rs.lock.acquire()
         try:
             rs.refresh()
@@ -284,7 +337,8 @@ class ReplicaCache:
         modules = [module if s is None else rs.roots[s] for s in slot_of]
 
         def done() -> None:
-            rs.clear()
+            # the step's tensors stay in the slots until the next step replaces them: a backward may still need
+            # them (torch.utils.checkpoint recomputes a replica's forward from its module)
             rs.lock.release()
 
         return modules, done

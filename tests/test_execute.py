@@ -92,7 +92,21 @@ def test_single_replica_runs_inline_and_raises_unchanged():
         dp(torch.zeros(0, 2))
 
 
+def test_replicas_sharing_a_device_run_inline_one_after_another():
+    order = []
+
+    class M(nn.Module):
+        def forward(self, x):
+            order.append((threading.current_thread(), x[0].item()))
+            return x
+
+    dpfast.DataParallel(M(), ["cpu"] * 4)(torch.arange(8.0))
+    assert order == [(threading.current_thread(), float(k)) for k in (0, 2, 4, 6)]
+
+
 def test_replicas_run_in_threads_with_grad_inference_and_autocast_state():
+    """At a collective the replicas of a device take turns on threads of their own: each carries the caller's
+    grad mode, inference mode and autocast state."""
     seen = []
 
     class M(nn.Module):
@@ -102,6 +116,7 @@ def test_replicas_run_in_threads_with_grad_inference_and_autocast_state():
 
         def forward(self, x):
             y = self.lin(x)
+            dpfast.all_reduce(y.sum())  # hands the turn to the next replica, on a thread of its own
             seen.append(
                 (threading.current_thread().name, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), y.dtype)
             )
@@ -141,8 +156,13 @@ def test_saved_tensor_hooks_reach_every_replica():
         packed.append(threading.current_thread().name)
         return t.clone()  # a copy, as an offloading hook would make
 
+    class TakingTurns(nn.Sequential):
+        def forward(self, x):
+            dpfast.all_reduce(x.sum())  # replicas then run on threads of their own
+            return super().forward(x)
+
     torch.manual_seed(0)
-    module = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    module = TakingTurns(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
     dp = dpfast.DataParallel(module, ["cpu"] * 3)
     x = torch.randn(9, 4)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -27,6 +27,8 @@ PIPELINE = [
     "_gather",
     "_replicas",
     "_workers",
+    "_rendezvous",
+    "_collectives",
     "_execute",
     "data_parallel",
     "nn",

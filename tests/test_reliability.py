@@ -50,19 +50,22 @@ class FailEveryK(nn.Module):
         super().__init__()
         self.mlp = MLP(5, 2, hidden=8)
         self.k, self.target, self.where = k, target, where
-        self.calls = 0  # calls by the target replica only (other replicas never touch it)
+        # calls by the target replica only; a dict, shared by reference with the replicas (an int attribute set
+        # by a replica's forward is the replica's own and undone at the next call, as on another GPU)
+        self.counter = {"calls": 0}
         self.lock = threading.Lock()
 
     def forward(self, x):
         y = self.mlp(x)
         if (x[:, 0] == self.target).any():
             with self.lock:
-                self.calls += 1
-                fail = self.calls % self.k == 0
+                self.counter["calls"] += 1
+                calls = self.counter["calls"]
+                fail = calls % self.k == 0
             if fail and self.where == "forward":
-                raise InjectedFault(f"injected forward fault on call {self.calls}")
+                raise InjectedFault(f"injected forward fault on call {calls}")
             if fail and self.where == "backward":
-                y = _FailInBackward.apply(y, f"injected backward fault on call {self.calls}")
+                y = _FailInBackward.apply(y, f"injected backward fault on call {calls}")
         return y
 
 

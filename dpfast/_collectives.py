@@ -1,0 +1,185 @@
+"""Collectives a model calls inside ``forward``: ``all_gather``, ``all_reduce``, ``replica_index``, ``replica_count``.
+
+One model code runs unchanged everywhere: inside a ``DataParallel`` call they work across that call's replicas
+(through :mod:`dpfast._rendezvous`); under an initialized ``torch.distributed`` process group (e.g. inside
+``dpfast.DistributedDataParallel``) across its ranks; otherwise they are the identity, replica 0 of 1.
+
+All are differentiable. Across replicas the results are built with autograd ops from every replica's tensor, so
+each replica's input receives the sum of every replica's gradient for it (for ``all_gather``: its slice of the
+summed gradient). Every replica adds in the same order, so all replicas get bit-identical results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import ops
+from ._rendezvous import Collective, current
+
+REDUCE_OPS = ("sum", "mean", "max", "min")
+
+__all__ = ["all_gather", "all_reduce", "replica_index", "replica_count"]
+
+
+def _in_process_group() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def replica_index() -> int:
+    """This replica's index in the running ``DataParallel`` call (or this rank; 0 outside both)."""
+    ctx = current()
+    if ctx is not None:
+        return ctx[1]
+    return dist.get_rank() if _in_process_group() else 0
+
+
+def replica_count() -> int:
+    """How many replicas the running ``DataParallel`` call has (or the world size; 1 outside both)."""
+    ctx = current()
+    if ctx is not None:
+        return ctx[0].n
+    return dist.get_world_size() if _in_process_group() else 1
+
+
+def _check_tensor(name: str, t: object) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"dpfast.{name}: t must be a Tensor, got {type(t).__name__}")
+    return t
+
+
+def all_gather(t: Tensor, dim: int = 0) -> Tensor:
+    """Every replica's ``t`` concatenated along ``dim``, in replica order (sizes along ``dim`` may differ)."""
+    t = _check_tensor("all_gather", t)
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dpfast.all_gather: dim must be an int, got {type(dim).__name__} {dim!r}")
+    if t.dim() == 0 or not -t.dim() <= dim < t.dim():
+        raise IndexError(
+            f"dpfast.all_gather: dim {dim} is out of range for a tensor of shape {tuple(t.shape)}; gather along "
+            "one of its dims (a 0-dim tensor: t.reshape(1))"
+        )
+    dim %= t.dim()
+    ctx = current()
+    if ctx is not None:
+        call, i = ctx
+        if call.n == 1:
+            return t
+        coll = call.enter(i, ("all_gather", dim), t)
+        return ops.gather([coll.values[j] for j in range(call.n)], dim, t.device)
+    if _in_process_group():
+        return _DistAllGather.apply(t, dim)
+    return t
+
+
+def all_reduce(t: Tensor, op: str = "sum") -> Tensor:
+    """Every replica's ``t`` combined by ``op``: ``"sum"``, ``"mean"`` (each replica counts once), ``"max"`` or
+    ``"min"``; every replica gets the result."""
+    t = _check_tensor("all_reduce", t)
+    if op not in REDUCE_OPS:
+        raise ValueError(f"dpfast.all_reduce: op is {op!r}; use one of {', '.join(map(repr, REDUCE_OPS))}")
+    ctx = current()
+    if ctx is not None:
+        call, i = ctx
+        if call.n == 1:
+            return t
+        coll = call.enter(i, ("all_reduce", op), t)
+        return _combine([coll.values[j].to(t.device) for j in range(call.n)], op)
+    if _in_process_group():
+        return _DistAllReduce.apply(t, op)
+    return t
+
+
+def _combine(values: Sequence[Tensor], op: str) -> Tensor:
+    if op in ("max", "min"):
+        stacked = torch.stack(list(values))
+        return stacked.amax(0) if op == "max" else stacked.amin(0)
+    out = values[0]
+    for v in values[1:]:
+        out = out + v
+    return out / len(values) if op == "mean" else out
+
+
+def check_collective(coll: Collective, devices: Sequence[torch.device]) -> str | None:
+    """Whether the replicas' deposits fit together (checked once, when all have arrived): an error or None."""
+    values = [coll.values[j] for j in range(len(devices))]
+    ref = values[0]
+    name, arg = coll.what
+    for j, v in enumerate(values):
+        if v.dtype != ref.dtype or v.dim() != ref.dim():
+            return (
+                f"replica {j} gave a {v.dtype} tensor of shape {tuple(v.shape)}, replica 0 a {ref.dtype} one of "
+                f"shape {tuple(ref.shape)}; every replica must give the same dtype and number of dims"
+            )
+        other = [k for k in range(v.dim()) if v.shape[k] != ref.shape[k] and not (name == "all_gather" and k == arg)]
+        if other:
+            allowed = f"; only dim {arg} may differ" if name == "all_gather" else ""
+            return (
+                f"replica {j} gave shape {tuple(v.shape)}, replica 0 shape {tuple(ref.shape)}: they differ in dim "
+                f"{other[0]}{allowed}"
+            )
+    return None
+
+
+# ---- across the ranks of a process group ---------------------------------------------------------------------
+
+
+class _DistAllGather(torch.autograd.Function):
+    """All-gather with any size along ``dim`` per rank; backward: the sum over ranks of the output gradients,
+    this rank's slice of it (the adjoint)."""
+
+    @staticmethod
+    def forward(ctx, t: Tensor, dim: int) -> Tensor:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        size = torch.tensor([t.shape[dim]], dtype=torch.int64, device=t.device)
+        sizes = [torch.empty_like(size) for _ in range(world)]
+        dist.all_gather(sizes, size)
+        rows = [int(s.item()) for s in sizes]
+        widest = max(rows)
+        moved = t.movedim(dim, 0).contiguous()
+        padded = moved.new_zeros((widest,) + tuple(moved.shape[1:]))
+        padded[: rows[rank]] = moved
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(parts, padded)
+        ctx.dim, ctx.rows, ctx.rank = dim, rows, rank
+        return torch.cat([p[:r] for p, r in zip(parts, rows)], 0).movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        g = grad.contiguous().clone()
+        dist.all_reduce(g)
+        start = sum(ctx.rows[: ctx.rank])
+        return g.narrow(ctx.dim, start, ctx.rows[ctx.rank]), None
+
+
+class _DistAllReduce(torch.autograd.Function):
+    """All-reduce; backward: every rank's output depends on every rank's input, so the gradient is the sum over
+    ranks of the output gradients (over the world size for "mean"; only where this rank held the extremum, shared
+    between ties, for "max"/"min")."""
+
+    @staticmethod
+    def forward(ctx, t: Tensor, op: str) -> Tensor:
+        out = t.detach().clone()
+        red = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}.get(op, dist.ReduceOp.MIN)
+        dist.all_reduce(out, op=red)
+        ctx.op, ctx.world = op, dist.get_world_size()
+        if op == "mean":
+            out = out / ctx.world
+        if op in ("max", "min"):
+            ctx.save_for_backward((t == out).to(t.dtype))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        g = grad.contiguous().clone()
+        dist.all_reduce(g)
+        if ctx.op == "mean":
+            return g / ctx.world, None
+        if ctx.op in ("max", "min"):
+            (hit,) = ctx.saved_tensors
+            ties = hit.clone()
+            dist.all_reduce(ties)
+            return g * hit / ties.clamp_min(1), None
+        return g, None

@@ -1,0 +1,249 @@
+"""How one call's replicas take turns on a device and meet at collectives.
+
+Replicas that share a device run one at a time, in a fixed order, so a rehearsal on one device is deterministic
+(random draws come in the same order every run) and pays no thread hand-off: while no replica calls a collective,
+a device's replicas all run inline in one thread, one after another. At a collective a replica deposits its
+tensor and hands its device's turn to the next replica, which then gets a thread of its own (from the pool).
+When every replica of the call has deposited, each device's turn goes to its lowest-index replica again, and each
+replica builds its result from the deposits. Replicas on different devices run concurrently, as on real GPUs.
+
+A replica that raises, or returns, while others wait in a collective (or before one they later enter) fails that
+collective for them with a :class:`CollectiveError` naming it: nothing hangs. Once a collective failed, every
+later one of the call fails at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Sequence
+from typing import Any, Callable
+
+import torch
+
+_UNSTARTED, _RUNNING, _BLOCKED, _READY, _DONE = range(5)
+_LOCAL = threading.local()
+
+
+class CollectiveError(RuntimeError):
+    """A collective that cannot complete. ``secondary`` when another replica's exception is the cause."""
+
+    def __init__(self, message: str, secondary: bool = False):
+        super().__init__(message)
+        self.secondary = secondary
+
+
+@dataclasses.dataclass(eq=False)
+class Collective:
+    """One collective of a call: what was called, and each replica's deposit."""
+
+    seq: int  # the how-many-th collective of the call (from 1)
+    what: tuple  # e.g. ("all_gather", dim) or ("all_reduce", op)
+    values: dict = dataclasses.field(default_factory=dict)  # replica index -> tensor
+    done: bool = False
+    error: BaseException | None = None
+
+
+def describe(what: tuple) -> str:
+    name, arg = what
+    return f"{name}(dim={arg})" if name == "all_gather" else f"{name}(op={arg!r})"
+
+
+class Call:
+    """The replicas of one DataParallel call: their turns per device and the collectives they meet at.
+
+    ``run(i)`` runs replica ``i``'s forward and returns its exception (or None); ``spawn(fn, device)`` runs
+    ``fn`` on a worker thread set up for ``device``. :meth:`run_all` returns when every replica is done.
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[torch.device],
+        run: Callable[[int], BaseException | None],
+        spawn: Callable[[Callable[[], None], torch.device], None],
+        check: Callable[[Collective, Sequence[torch.device]], str | None] | None = None,
+    ):
+        self.n = len(devices)
+        self.devices = list(devices)
+        self._run = run
+        self._spawn = spawn
+        self._check = check  # validates a complete collective's deposits: an error message or None
+        self.cond = threading.Condition()
+        self.state = [_UNSTARTED] * self.n
+        self.left = [""] * self.n  # how a done replica left: "returned" or "raised <type>"
+        self.members: list[list[int]] = []
+        self.group: list[int] = []
+        seen: dict[torch.device, int] = {}
+        for i, d in enumerate(self.devices):
+            g = seen.setdefault(d, len(seen))
+            if g == len(self.members):
+                self.members.append([])
+            self.members[g].append(i)
+            self.group.append(g)
+        self.baton: list[int | None] = [None] * len(self.members)
+        self.entered = [0] * self.n
+        self.open: Collective | None = None
+        self.broken: CollectiveError | None = None
+
+    # -- running -----------------------------------------------------------------------------------------------
+
+    def run_all(self) -> None:
+        """Every device's replicas: the first device's in this thread, the others' on workers (concurrently)."""
+        for g in range(1, len(self.members)):
+            first = self._start(g)
+            self._spawn(lambda g=g, first=first: self._run_group(g, first), self.devices[first])
+        self._run_group(0, self._start(0))
+        with self.cond:
+            while any(s != _DONE for s in self.state):
+                self.cond.wait()
+
+    def _start(self, g: int) -> int:
+        with self.cond:
+            first = self.members[g][0]
+            self.baton[g] = first
+            self.state[first] = _RUNNING
+            return first
+
+    def _run_group(self, g: int, i: int | None) -> None:
+        """Run replica ``i`` here, then whichever unstarted replica of the device gets the turn after it."""
+        while i is not None:
+            previous = getattr(_LOCAL, "call", None)
+            _LOCAL.call = (self, i)
+            try:
+                exc = self._run(i)
+                left = "returned" if exc is None else f"raised {type(exc).__name__}"
+                del exc  # this frame is the f_back of one in exc's traceback: naming exc would make a cycle
+            finally:
+                _LOCAL.call = previous
+            with self.cond:
+                self.state[i] = _DONE
+                self.left[i] = left
+                self._settle()  # a collective this replica left behind fails, and may hand the turn on itself
+                i = self._pass(g, i, free=True) if self.baton[g] == i else None
+                self.cond.notify_all()
+
+    def _pass(self, g: int, after: int, free: bool) -> int | None:
+        """Give device ``g``'s turn to the next replica after ``after`` that can run. An unstarted one runs in this
+        thread when it is ``free`` (returned: then its index is returned), else on a new worker."""
+        members = self.members[g]
+        k = members.index(after)
+        for j in members[k + 1 :] + members[: k + 1]:
+            if self.state[j] in (_UNSTARTED, _READY):
+                self.baton[g] = j
+                if self.state[j] == _READY:
+                    return None  # its own thread is waiting for the turn
+                self.state[j] = _RUNNING
+                if free:
+                    return j
+                self._spawn(lambda j=j: self._run_group(g, j), self.devices[j])
+                return None
+        self.baton[g] = None
+        return None
+
+    # -- collectives -------------------------------------------------------------------------------------------
+
+    def enter(self, i: int, what: tuple, value: Any) -> Collective:
+        """Replica ``i`` deposits ``value``; returns the collective once every replica has, and it is ``i``'s turn.
+        Raises :class:`CollectiveError` if the collective cannot complete."""
+        g = self.group[i]
+        with self.cond:
+            self.entered[i] += 1
+            if self.broken is not None:
+                raise CollectiveError(str(self.broken), secondary=True)
+            coll = self.open
+            if coll is None:
+                coll = self.open = Collective(self.entered[i], what)
+            self.state[i] = _BLOCKED
+            if coll.what != what:
+                first = min(coll.values)
+                self._fail(
+                    coll,
+                    CollectiveError(
+                        f"collective #{coll.seq} differs across replicas: replica {first} called "
+                        f"{describe(coll.what)}, replica {i} called {describe(what)}; every replica must call the "
+                        "same collectives in the same order"
+                    ),
+                )
+            else:
+                coll.values[i] = value
+                self._settle()
+                if not coll.done:
+                    self._pass(g, i, free=False)
+            while not (coll.done and self.baton[g] == i):
+                self.cond.wait()
+            self.state[i] = _RUNNING
+            if coll.error is not None:
+                raise coll.error
+            return coll
+
+    def _settle(self) -> None:
+        """Complete or fail the open collective if every replica has either deposited or left."""
+        coll = self.open
+        if coll is None or coll.done:
+            return
+        missing = [j for j in range(self.n) if j not in coll.values]
+        gone = [j for j in missing if self.state[j] == _DONE]
+        if gone:
+            raised = [j for j in gone if self.left[j] != "returned"]
+            who = ", ".join(f"replica {j} on {self.devices[j]} {self.left[j]}" for j in gone)
+            verb = "before reaching" if raised else "without calling"
+            entered = ", ".join(map(str, sorted(coll.values)))
+            self._fail(
+                coll,
+                CollectiveError(
+                    f"{describe(coll.what)} (collective #{coll.seq} of the call) cannot complete: {who} {verb} it, "
+                    f"which replica(s) {entered} entered; every replica must call the same collectives in the same "
+                    "order",
+                    secondary=bool(raised),
+                ),
+            )
+        elif not missing:
+            problem = self._check(coll, self.devices) if self._check is not None else None
+            if problem is not None:
+                self._fail(coll, CollectiveError(f"{describe(coll.what)} (collective #{coll.seq}): {problem}"))
+            else:
+                self._finish(coll)
+
+    def _fail(self, coll: Collective, error: CollectiveError) -> None:
+        coll.error = error
+        self.broken = error
+        self._finish(coll)
+
+    def _finish(self, coll: Collective) -> None:
+        """Mark the collective done and give each device's turn to its lowest-index waiting replica."""
+        coll.done = True
+        self.open = None
+        for g, members in enumerate(self.members):
+            ready = [j for j in members if self.state[j] == _BLOCKED]
+            for j in ready:
+                self.state[j] = _READY
+            holder = self.baton[g]
+            # (a replica still running holds its turn: a failure can come from another device mid-turn)
+            if ready and (holder is None or self.state[holder] != _RUNNING):
+                self.baton[g] = ready[0]
+        self.cond.notify_all()
+
+
+class _Solo:
+    """The context of a call with one replica: every collective is the identity."""
+
+    n = 1
+
+
+SOLO = _Solo()
+
+
+def current() -> tuple[Any, int] | None:
+    """``(call, replica index)`` of the replica running in this thread, or None outside a DataParallel call."""
+    return getattr(_LOCAL, "call", None)
+
+
+class solo_context:
+    """Run one replica as a call of one (collectives are the identity, replica_index() is 0)."""
+
+    def __enter__(self) -> None:
+        self.previous = getattr(_LOCAL, "call", None)
+        _LOCAL.call = (SOLO, 0)
+
+    def __exit__(self, *exc: Any) -> None:
+        _LOCAL.call = self.previous

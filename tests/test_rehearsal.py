@@ -1,0 +1,171 @@
+"""A rehearsal behaves like separate devices: replicas sharing a device have their own buffers and attributes (the
+module's, taken at each call, changes discarded), run one at a time in a fixed order, and so are deterministic,
+including checkpoint recomputation of their random draws."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import dpfast
+
+DT = torch.float64
+
+
+class Counted(nn.Module):
+    """BatchNorm plus a plain attribute that forward changes (as modules do: step counters, caches)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        self.last_rows = x.shape[0]
+        return self.bn(self.lin(x))
+
+
+def _devices_run(module: nn.Module, x: torch.Tensor, n: int) -> torch.Tensor:
+    """What n separate devices do: replica 0 is the module itself, every other one a copy taken before any ran."""
+    sizes = dpfast._splits.split_sizes(x.shape[0], n)
+    chunks = torch.split(x, sizes)
+    before = copy.deepcopy(module)
+    outs = [module(chunks[0])] + [copy.deepcopy(before)(c) for c in chunks[1:]]
+    return torch.cat(outs)
+
+
+def _steps(n: int, steps: int = 20):
+    torch.manual_seed(n)
+    module = Counted().to(DT)
+    emulated = copy.deepcopy(module)
+    dp = dpfast.DataParallel(module, ["cpu"] * n)
+    for step in range(steps):
+        x = torch.randn(2 * n + step % 3, 3, dtype=DT)
+        torch.testing.assert_close(dp(x), _devices_run(emulated, x, n), rtol=0, atol=1e-12)
+    return module, emulated
+
+
+def _assert_same_state(module, emulated, steps):
+    assert module.calls == emulated.calls == steps  # one update per call: replica 0's
+    assert module.bn.num_batches_tracked.item() == steps
+    torch.testing.assert_close(module.bn.running_mean, emulated.bn.running_mean, rtol=0, atol=1e-12)
+    torch.testing.assert_close(module.bn.running_var, emulated.bn.running_var, rtol=0, atol=1e-12)
+    assert module.last_rows == emulated.last_rows
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_buffers_and_attributes_update_once_per_call_from_replica_zero(n):
+    module, emulated = _steps(n)
+    _assert_same_state(module, emulated, 20)
+
+
+def test_buffers_and_attributes_with_callers_on_two_threads():
+    results, errors = {}, []
+
+    def run(n):
+        try:
+            results[n] = _steps(n)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in (3, 4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for module, emulated in results.values():
+        _assert_same_state(module, emulated, 20)
+
+
+def test_attributes_a_replica_sets_are_undone_at_the_next_call():
+    class Remember(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x):
+            seen = getattr(self, "seen", None)
+            self.seen = x.shape[0]
+            self.lin.extra = nn.Linear(1, 1)  # a submodule added in forward, too
+            return x + (0 if seen is None else seen)
+
+    m = Remember()
+    dp = dpfast.DataParallel(m, ["cpu"] * 3)
+    dp(torch.zeros(6, 2))
+    out = dp(torch.zeros(6, 2))
+    # replica 0 (the module) remembers its last chunk (2 rows); the others start from the module's state each call
+    assert out[:2].eq(2).all() and out[2:].eq(2).all()
+    assert m.seen == 2
+
+
+class Dropped(nn.Module):
+    def __init__(self, use_checkpoint=None):
+        super().__init__()
+        self.lin = nn.Linear(5, 16)
+        self.out = nn.Linear(16, 2)
+        self.drop = nn.Dropout(0.5)
+        self.use_checkpoint = use_checkpoint
+
+    def block(self, x):
+        return self.drop(torch.tanh(self.lin(x)))
+
+    def forward(self, x):
+        if self.use_checkpoint is None:
+            h = self.block(x)
+        else:
+            h = checkpoint(self.block, x, use_reentrant=self.use_checkpoint)
+        return self.out(h)
+
+
+def _train_step(module, n, x, seed):
+    module.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_(True)  # (reentrant checkpointing differentiates only when an input requires it)
+    torch.manual_seed(seed)
+    out = dpfast.DataParallel(module, ["cpu"] * n)(x) if n else module(x)
+    (out * torch.arange(out.numel(), dtype=DT).reshape(out.shape).sin()).sum().backward()
+    return out.detach(), [p.grad.clone() for p in module.parameters()]
+
+
+def _bits(t):
+    return t.contiguous().view(torch.int64)
+
+
+@pytest.mark.parametrize("use_checkpoint", [None, True, False])
+def test_fixed_seed_gives_bit_identical_outputs_and_gradients(use_checkpoint):
+    torch.manual_seed(0)
+    module = Dropped(use_checkpoint).to(DT)
+    x = torch.randn(11, 5, dtype=DT)
+    runs = [_train_step(module, 4, x, seed=7) for _ in range(3)]
+    for out, grads in runs[1:]:
+        assert torch.equal(_bits(out), _bits(runs[0][0]))
+        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(grads, runs[0][1]))
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_checkpoint_replays_each_replicas_own_draws(use_reentrant):
+    """The replicas of a device run in turn, so their draws are those of the module run on the chunks in turn, and
+    checkpoint recomputation replays them: gradients equal the run without checkpointing, step after step."""
+    torch.manual_seed(0)
+    plain = Dropped(None).to(DT)
+    ckpt = copy.deepcopy(plain)
+    ckpt.use_checkpoint = use_reentrant
+    for step in range(10):
+        x = torch.randn(9, 5, dtype=DT)
+        out_p, grads_p = _train_step(plain, 3, x, seed=step)
+        out_c, grads_c = _train_step(ckpt, 3, x, seed=step)
+        torch.testing.assert_close(out_c, out_p, rtol=0, atol=0)
+        for a, b in zip(grads_c, grads_p):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-15)
+        # and the draws are the in-turn run's: the module on chunks [3, 3, 3], one after another (the same masks;
+        # the last bits may differ, as one matmul on another allocation can)
+        torch.manual_seed(step)
+        in_turn = torch.cat([plain(c.clone()) for c in torch.split(x, [3, 3, 3])])
+        torch.testing.assert_close(out_p, in_turn.detach(), rtol=0, atol=1e-12)

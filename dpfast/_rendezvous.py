@@ -131,7 +131,8 @@ class Call:
             if self.state[j] in (_UNSTARTED, _READY):
                 self.baton[g] = j
                 if self.state[j] == _READY:
-                    return None  # its own thread is waiting for the turn
+                    self.cond.notify_all()  # its own thread is waiting for the turn
+                    return None
                 self.state[j] = _RUNNING
                 if free:
                     return j

@@ -1,4 +1,7 @@
-"""Recurrent layers whose state can be batch-first, so that ``dim=0`` data parallelism splits it correctly.
+"""``dpfast.nn``: recurrent layers whose state can be batch-first, and ``SyncBatchNorm`` (defined in
+:mod:`dpfast._sync_batchnorm`, which batch-normalizes over the whole batch across replicas or ranks).
+
+The recurrent layers exist so that ``dim=0`` data parallelism splits their state correctly.
 
 ``torch.nn.LSTM``/``GRU``/``RNN`` keep their state as ``(num_layers * num_directions, B, H)`` even with
 ``batch_first=True``. ``torch.nn.DataParallel`` (and ``dpfast.DataParallel`` with its default ``dim=0``) then splits
@@ -34,8 +37,9 @@ from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
 from . import ops
+from ._sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
-__all__ = ["LSTM", "GRU", "RNN"]
+__all__ = ["LSTM", "GRU", "RNN", "SyncBatchNorm", "convert_sync_batchnorm"]
 
 RNNInput = Union[Tensor, PackedSequence]
 LSTMState = tuple[Tensor, Tensor]

@@ -27,6 +27,7 @@ from torch import nn
 
 import dpfast
 import dpfast._splits
+from dpfast._rendezvous import solo_context
 from dpfast.distributed import DistributedBatchError, shard_batch, shard_dataset, shard_range
 
 from dp_testing import MLP
@@ -139,13 +140,16 @@ def _compare_with_full_batch(factory, inputs, loss_fn, ddp_kwargs, steps=1):
 
     def run(net, args):
         outs = []
-        for _ in range(steps):
+        for step in range(steps):
             out = net(*args)
             outs.append(out)
-            args = (args[0],) + tuple(out[1:])  # (x, hidden, h) <- (x, returned hidden, returned h)
+            if step + 1 < steps:
+                args = (args[0],) + tuple(out[1:])  # (x, hidden, h) <- (x, returned hidden, returned h)
         return outs
 
-    expected, outputs = run(ref, in_ref), run(ddp, in_ddp)
+    with solo_context():  # the reference is one process: dpfast's collectives in it must not reach the ranks
+        expected = run(ref, in_ref)
+    outputs = run(ddp, in_ddp)
     _assert_tree_close(outputs, expected, "gathered outputs")
     sum(loss_fn(o) for o in expected).backward()
     sum(loss_fn(o) for o in outputs).backward()
@@ -186,6 +190,11 @@ def _scenarios(world):
     out["chunk_sizes_zero_weight"] = functools.partial(
         _compare_with_full_batch, Losses, _xy(5), _losses_loss, dict(out_dims=("mean", "sum", 0), chunk_sizes=weights)
     )
+    out["collectives_contrastive"] = functools.partial(
+        _compare_with_full_batch, Contrastive, _views(7), lambda loss: loss, dict(out_dims="sum")
+    )
+    out["sync_batchnorm"] = functools.partial(_sync_batchnorm_vs_full_batch, 7)
+    out["sync_batchnorm_rank_without_rows"] = functools.partial(_sync_batchnorm_vs_full_batch, world + 1)
     out["no_tensor_to_split"] = _no_tensor_to_split
     out["mismatched_batch"] = _mismatched_batch
     out["one_rank_bad_inputs"] = _one_rank_bad_inputs
@@ -194,6 +203,56 @@ def _scenarios(world):
     out["one_rank_cannot_gather"] = _one_rank_cannot_gather
     out["shard_helpers"] = _shard_helpers
     return out
+
+
+class Contrastive(nn.Module):
+    """Negatives from the whole batch through dpfast.all_gather, which works across the ranks here."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+
+    def forward(self, a, b):
+        za, zb = F.normalize(self.enc(a), dim=1), F.normalize(self.enc(b), dim=1)
+        every_b = dpfast.all_gather(zb, 0)
+        start = sum(dpfast.all_gather(torch.tensor([za.shape[0]]), 0)[: dpfast.replica_index()].tolist())
+        target = torch.arange(start, start + za.shape[0])
+        return F.cross_entropy(za @ every_b.t() / 0.5, target, reduction="sum")
+
+
+def _views(b):
+    g = torch.Generator().manual_seed(300 + b)
+    return torch.randn(b, 6, dtype=DT, generator=g), torch.randn(b, 6, dtype=DT, generator=g)
+
+
+class _BNNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.bn = nn.BatchNorm1d(3)
+
+    def forward(self, x):
+        return torch.tanh(self.bn(self.lin(x)))
+
+
+def _sync_batchnorm_vs_full_batch(b):
+    """dpfast.nn.SyncBatchNorm across the ranks equals BatchNorm on the full batch: outputs, gradients, running
+    statistics. (torch's own SyncBatchNorm needs a GPU, so it is not the reference here.)"""
+    torch.manual_seed(0)
+    plain = _BNNet().to(DT)
+    ddp = dpfast.DistributedDataParallel(dpfast.nn.convert_sync_batchnorm(copy.deepcopy(plain)), gather_outputs=True)
+    for step in range(2):
+        x = torch.randn(b, 4, dtype=DT, generator=torch.Generator().manual_seed(step))
+        out, ref = ddp(x), plain(x)
+        torch.testing.assert_close(out, ref)
+        ddp.zero_grad()
+        plain.zero_grad()
+        (out * out.detach().cos()).sum().backward()
+        (ref * ref.detach().cos()).sum().backward()
+        for (name, p), (_, q) in zip(ddp.module.named_parameters(), plain.named_parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad of {name}: {m}")
+        for (name, x1), (_, x2) in zip(ddp.module.named_buffers(), plain.named_buffers()):
+            torch.testing.assert_close(x1, x2, msg=lambda m, name=name: f"buffer {name}: {m}")
 
 
 def _local_loss_scale(b):

@@ -31,6 +31,7 @@ PIPELINE = [
     "_collectives",
     "_execute",
     "data_parallel",
+    "_sync_batchnorm",
     "nn",
 ]
 

@@ -1,0 +1,117 @@
+"""``dpfast.nn.SyncBatchNorm``: batch statistics over the whole batch, across a DataParallel call's replicas or a
+process group's ranks (through :mod:`dpfast._collectives`); BatchNorm when there is nothing to sync with.
+
+The statistics are two exact passes (the mean from the summed values and counts, then the variance from the
+summed squared deviations), built from differentiable collectives, so the gradients are the full-batch ones and a
+train step equals plain BatchNorm on the whole batch (up to the order of floating-point sums). Running statistics
+are updated as BatchNorm updates them (unbiased variance over the whole batch); on the replicas other than
+replica 0 those updates are discarded, as on other GPUs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ._collectives import all_reduce, replica_count
+
+
+class SyncBatchNorm(_BatchNorm):
+    """``torch.nn.BatchNorm1d/2d/3d`` whose training statistics span every replica (or rank) of the call.
+
+    Same arguments, parameters, buffers and state-dict keys as the torch modules (state dicts load into and from
+    them). Inputs of 2 or more dims, channels on dim 1. Convert a model with :meth:`convert_sync_batchnorm`.
+    """
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(
+                f"SyncBatchNorm: expected an input of 2 or more dims (N, C, ...), got {input.dim()}D "
+                f"{tuple(input.shape)}"
+            )
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input_dim(input)
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        if not use_batch_stats or replica_count() == 1:
+            return F.batch_norm(
+                input,
+                self.running_mean if not self.training or self.track_running_stats else None,
+                self.running_var if not self.training or self.track_running_stats else None,
+                self.weight,
+                self.bias,
+                use_batch_stats,
+                factor,
+                self.eps,
+            )
+        return self._synced(input, factor)
+
+    def _synced(self, input: Tensor, factor: float) -> Tensor:
+        dims = [0] + list(range(2, input.dim()))
+        shape = [1, input.shape[1]] + [1] * (input.dim() - 2)
+        local_count = input.numel() // max(input.shape[1], 1)
+        # one collective for the sums and the count together, one for the squared deviations
+        stats = all_reduce(torch.cat([input.sum(dims), input.new_tensor([local_count])]), "sum")
+        total, count = stats[:-1], stats[-1]
+        if input.device.type == "cpu" and count.item() <= 1:  # (on a GPU this check would cost a host sync)
+            raise ValueError(
+                f"SyncBatchNorm: expected more than 1 value per channel when training, got {int(count.item())} "
+                "over the whole batch"
+            )
+        mean = total / count
+        centered = input - mean.reshape(shape)
+        var = all_reduce((centered * centered).sum(dims), "sum") / count
+        out = centered * torch.rsqrt(var + self.eps).reshape(shape)
+        if self.weight is not None:
+            out = out * self.weight.reshape(shape) + self.bias.reshape(shape)
+        if self.track_running_stats and self.running_mean is not None:
+            with torch.no_grad():
+                unbiased = var * (count / (count - 1))
+                self.running_mean.mul_(1 - factor).add_(mean.detach().to(self.running_mean.dtype), alpha=factor)
+                self.running_var.mul_(1 - factor).add_(unbiased.detach().to(self.running_var.dtype), alpha=factor)
+        return out
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module: nn.Module) -> nn.Module:
+        """``module`` with every BatchNorm1d/2d/3d (and torch's SyncBatchNorm) replaced by a dpfast
+        SyncBatchNorm holding the same parameters and buffers (returns the new module when ``module`` is one)."""
+        out = module
+        if isinstance(module, _BatchNorm) and not isinstance(module, cls):
+            out = cls(
+                module.num_features,
+                module.eps,
+                module.momentum,
+                module.affine,
+                module.track_running_stats,
+                device=_device_of(module),
+            )
+            if module.affine:
+                with torch.no_grad():
+                    out.weight = module.weight
+                    out.bias = module.bias
+            out.running_mean = module.running_mean
+            out.running_var = module.running_var
+            out.num_batches_tracked = module.num_batches_tracked
+            out.training = module.training
+            if hasattr(module, "qconfig"):
+                out.qconfig = module.qconfig
+        for name, child in module.named_children():
+            out.add_module(name, cls.convert_sync_batchnorm(child))
+        return out
+
+
+def _device_of(module: nn.Module) -> torch.device | None:
+    for t in list(module.parameters()) + list(module.buffers()):
+        return t.device
+    return None
+
+
+def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
+    """:meth:`SyncBatchNorm.convert_sync_batchnorm`: every BatchNorm of ``module`` becomes a dpfast SyncBatchNorm."""
+    return SyncBatchNorm.convert_sync_batchnorm(module)

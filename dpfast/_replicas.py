@@ -7,7 +7,7 @@ one module (like the inputs they get, a replica's state is never written back: s
 Other (CUDA) devices get copies. ``torch.nn.parallel.replicate`` rebuilds every module of the tree on every device
 at every step; here the copies are **persistent**: :class:`ReplicaCache` builds the module tree once per set of
 target devices, and each step only broadcasts the parameters and buffers from the source (coalesced, through
-``torch.nn.parallel._functions.Broadcast`` under grad mode, so every copy is a non-leaf connected to the original
+``dpfast._broadcast.BroadcastToOthers`` under grad mode, so every copy is a non-leaf connected to the original
 by autograd and gradients sum back onto it, exactly as with torch's replicate) and writes the copies into the
 replicas' attribute slots. After the step the slots are cleared, so no copy and no graph outlives the step.
 
@@ -87,9 +87,13 @@ def _broadcast(
     if not tensors:
         return [[] for _ in targets]
     if all(d.type == "cuda" for d in targets) and source.type == "cuda":
+        if not detach and source not in targets:  # no copy for the source, so no zero gradient for it either
+            from ._broadcast import broadcast_to_others
+
+            return broadcast_to_others(tensors, source, targets)
         from torch.nn.parallel.replicate import _broadcast_coalesced_reshape
 
-        # the source must come first; its own "copies" are dropped (their gradient is None -> zeros, not used)
+        # the source must come first; its own copies are dropped
         return _broadcast_coalesced_reshape(list(tensors), [source] + list(targets), detach=detach)[1:]
     # test switch on the CPU: clones, connected by autograd (a clone's gradient flows back to its input)
     out = []

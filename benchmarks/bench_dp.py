@@ -272,6 +272,13 @@ def plot(rows: list, device: str, path: str) -> str | None:
     return path
 
 
+def _save(result: dict, path: str) -> None:
+    """Through a temporary file, so a reader never sees half a file."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f, indent=2)
+    os.replace(path + ".tmp", path)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="benchmarks/bench_dp.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -287,7 +294,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     budget, rounds = (1.8, 5) if args.quick else (7.0, 9)
     t0 = time.perf_counter()
     notes: list[str] = []
-    rows = [run_batch(b, device, budget, rounds, notes) for b in batches]
+    rows: list[dict] = []
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "bench_dp.json")
+    for b in batches:  # saved after every batch size: a run cut short keeps its rows
+        rows.append(run_batch(b, device, budget, rounds, notes))
+        print(f"batch {b}: done in {time.perf_counter() - t0:.1f} s", flush=True)
+        _save({"benchmark": "bench_dp", "complete": False, "device": str(device), "notes": notes, "rows": rows}, path)
 
     names = list(rows[0]["seconds"])
     ratio_keys = [
@@ -328,9 +341,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         worst_t = max(r["dpfast/torch"] for r in rows)
         print(f"target dpfast/torch <= 0.5 on [0, 0]: worst {worst_t:.3f} -> {'met' if worst_t <= 0.5 else 'NOT met'}")
 
-    os.makedirs(args.out, exist_ok=True)
     result = {
         "benchmark": "bench_dp",
+        "complete": True,
         "command": "python benchmarks/bench_dp.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": {
@@ -357,9 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rows": rows,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
-    path = os.path.join(args.out, "bench_dp.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
+    _save(result, path)
     png = plot(rows, str(device), os.path.join(args.out, "bench_dp.png"))
     print(
         f"wrote {path}" + (f" and {png}" if png else " (matplotlib not found: no plot)") + f" in {result['wall_s']} s"

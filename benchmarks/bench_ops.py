@@ -167,6 +167,21 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"dpfast bench_ops on {args.device}; torch {torch.__version__}; threads {torch.get_num_threads()}")
     print(header)
     print("-" * len(header))
+    result = {
+        "bench": "ops",
+        "device": args.device,
+        "complete": False,  # true once every row and the call overhead are in: a run cut short keeps its rows
+        "device_name": torch.cuda.get_device_name()
+        if args.device == "cuda"
+        else platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "build_info": dpfast.build_info(),
+        "rows": rows,
+    }
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"bench_ops_{args.device}.json")
     for op, label, nbytes, variants in cases(args.device, args.quick):
         samples = measure(variants, args.device, budget, rounds=7 if args.quick else 15)
         t = {k: statistics.median(v) for k, v in samples.items()}
@@ -183,32 +198,26 @@ def main(argv: list[str] | None = None) -> dict:
         print(
             f"{op:34} {label:>18} {nbytes / 1e6:9.3f} {t['dpfast'] * 1e6:10.1f} {t['torch'] * 1e6:10.1f} "
             f"{t['clone'] * 1e6:10.1f} {row['gbps']['dpfast']:7.2f} {row['ratio_vs_clone']:7.2f} "
-            f"{row['ratio_vs_torch']:7.2f}"
+            f"{row['ratio_vs_torch']:7.2f}",
+            flush=True,
         )
+        _save(result, path)
     overhead = call_overhead(args.device, budget)
     print("\ncall path: transpose01 of a tiny (h, c), 2x(2,1,4)")
     for name, sec in overhead.items():
         print(f"  {name:40} {sec * 1e6:7.2f} us")
-    result = {
-        "bench": "ops",
-        "device": args.device,
-        "call_overhead_seconds": overhead,
-        "device_name": torch.cuda.get_device_name()
-        if args.device == "cuda"
-        else platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "build_info": dpfast.build_info(),
-        "rows": rows,
-    }
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"bench_ops_{args.device}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    result.update(call_overhead_seconds=overhead, complete=True)
+    _save(result, path)
     print(f"wrote {path}")
     _plot(rows, os.path.join(args.out, f"bench_ops_{args.device}.png"), args.device)
     return result
+
+
+def _save(result: dict, path: str) -> None:
+    """Written after every row (through a temporary file, so a reader never sees half a file)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 def _plot(rows: list[dict], path: str, device: str) -> None:

@@ -3,10 +3,13 @@
 // on every call. Backward calls the ops through the dispatcher, so double backward works too.
 //
 // transpose01 <- transpose01;  split_contiguous, scatter <- gather (per input tensor);  gather <- scatter.
+#include "device_routes.h"
 #include "op_handles.h"
 
 #include <ATen/ops/zeros_like.h>
+#include <c10/core/Event.h>
 #include <c10/core/WrapDimMinimal.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
@@ -42,6 +45,37 @@ void attach(const std::vector<at::Tensor>& outs, at::TensorList inputs, size_t p
     } else {
       node->add_input_metadata(Node::undefined_input());
     }
+  }
+}
+
+// ---- Streams of backward nodes that span devices (see NodeStreams in device_routes.h) ----
+// Device-generic c10 events and streams, so this file needs no CUDA headers and builds without CUDA too.
+
+std::vector<c10::Device> input_devices(const Node& node) {
+  std::vector<c10::Device> devs;
+  devs.reserve(node.num_inputs());
+  for (size_t i = 0; i < node.num_inputs(); ++i) devs.push_back(node.input_metadata(i).device());
+  return devs;
+}
+
+// The current streams of `others` wait for the current stream of `own` (before reading gradients there).
+void others_wait_for_own(const NodeStreams& s) {
+  if (!s.own || s.others.empty()) return;
+  const c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+  c10::Event ready(c10::DeviceType::CUDA);
+  ready.record(impl.getStream(*s.own));
+  for (const c10::Device& d : s.others) ready.block(impl.getStream(d));
+}
+
+// The current stream of `own` waits for the current streams of `others` (after writing gradients there).
+void own_waits_for_others(const NodeStreams& s) {
+  if (!s.own || s.others.empty()) return;
+  const c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+  const c10::Stream own = impl.getStream(*s.own);
+  for (const c10::Device& d : s.others) {
+    c10::Event done(c10::DeviceType::CUDA);
+    done.record(impl.getStream(d));
+    done.block(own);
   }
 }
 
@@ -104,6 +138,10 @@ struct SplitBackward : Node {
     const size_t n_inputs = source_devices.size();
     TORCH_CHECK(grads.size() == n_inputs * n_chunks, op_name, " got ", grads.size(), " gradients for ", n_inputs,
                 " tensors of ", n_chunks, " chunks");
+    // The engine made this node's own stream wait for every gradient; gather reads the chunks on other GPUs on
+    // their devices' current streams (a copy to the CPU waits for nothing else), so those must wait for it too.
+    const auto devs = input_devices(*this);
+    others_wait_for_own(node_streams(devs, devs));
     variable_list out(n_inputs);
     for (size_t i = 0; i < n_inputs; ++i) {
       if (!should_compute_output(i)) continue;
@@ -134,6 +172,9 @@ struct GatherBackward : Node {
     if (!grads[0].defined()) return variable_list(sizes.size());
     auto parts = scatter_op().call({grads[0]}, dim, sizes, devices);
     check_output_count("scatter", parts.size(), sizes.size());
+    // Parts for other GPUs are ready on those devices' current streams (copied on side streams), but the
+    // engine's consumers wait only for this node's own stream: make it wait for theirs.
+    own_waits_for_others(node_streams(input_devices(*this), devices));
     return variable_list(std::make_move_iterator(parts.begin()), std::make_move_iterator(parts.end()));
   }
 };

@@ -8,11 +8,18 @@
 
 namespace dpfast {
 
-// Allocates every chunk on `xs`' device and queues its copy.
+// Allocates every chunk on `xs`' device and queues its copy. `destinations` (scatter from the CPU: one device
+// per chunk) puts the chunks of a pinned tensor that are bound for a GPU in pinned memory too, so that their copy
+// to the GPU stays asynchronous; from pageable memory it would be staged and synchronous.
 inline std::vector<at::Tensor> split_plan(const char* op, at::TensorList xs, int64_t dim,
-                                          c10::SymIntArrayRef sym_sizes, CopyBatch& batch) {
+                                          c10::SymIntArrayRef sym_sizes, CopyBatch& batch,
+                                          at::ArrayRef<c10::Device> destinations = {}) {
   std::vector<int64_t> sizes;
   check_split(op, xs, dim, sym_sizes, sizes);
+  TORCH_CHECK(destinations.empty() || destinations.size() == sizes.size(), op, ": ", destinations.size(),
+              " devices for ", sizes.size(), " chunks");
+  bool to_gpu = false;
+  for (const c10::Device& d : destinations) to_gpu = to_gpu || d.is_cuda();
   std::vector<at::Tensor> outs;
   outs.reserve(xs.size() * sizes.size());
   batch.jobs.reserve(xs.size() * sizes.size());
@@ -24,9 +31,13 @@ inline std::vector<at::Tensor> split_plan(const char* op, at::TensorList xs, int
     const char* base = static_cast<const char*>(x.const_data_ptr());
     const int64_t step = x.stride(d) * static_cast<int64_t>(x.element_size());
     int64_t offset = 0;
-    for (int64_t s : sizes) {
+    const auto options = x.options().memory_format(at::MemoryFormat::Contiguous);
+    const bool pinned = to_gpu && x.is_cpu() && x.is_pinned();  // asked only when a chunk goes to a GPU
+    for (size_t j = 0; j < sizes.size(); ++j) {
+      const int64_t s = sizes[j];
       shape[d] = s;
-      at::Tensor out = at::empty(shape, x.options().memory_format(at::MemoryFormat::Contiguous));
+      const bool pin = pinned && destinations[j].is_cuda();
+      at::Tensor out = at::empty(shape, pin ? options.pinned_memory(true) : options);
       batch.add(base + offset * step, out.data_ptr(), shape, x.strides(), out.strides(), x.element_size(), x, out);
       outs.push_back(std::move(out));
       offset += s;

@@ -5,7 +5,8 @@ the module's parameters (no copy: gradients sum onto them) but has its own buffe
 start of each call, and its own attributes: whatever its forward changes is discarded, as it is on another GPU,
 so a BatchNorm counts one batch per call (replica 0's) and nothing races. Replicas on another (CUDA) device get
 that device's copy of the parameters (one coalesced broadcast per device, shared by its replicas, connected to the
-originals by autograd as with ``torch.nn.parallel.replicate``) and buffers of their own.
+originals by autograd as with ``torch.nn.parallel.replicate``, through ``dpfast._broadcast.BroadcastToOthers``,
+which makes no copy for the source) and buffers of their own.
 
 The replicas are **persistent**: :class:`ReplicaCache` builds the module tree once per list of replica devices, and
 each step only writes the parameters and fresh buffers into the replicas' attribute slots. They stay there until
@@ -85,9 +86,13 @@ def _broadcast(
     if not tensors:
         return [[] for _ in targets]
     if all(d.type == "cuda" for d in targets) and source.type == "cuda":
+        if not detach and source not in targets:  # no copy for the source, so no zero gradient for it either
+            from ._broadcast import broadcast_to_others
+
+            return broadcast_to_others(tensors, source, targets)
         from torch.nn.parallel.replicate import _broadcast_coalesced_reshape
 
-        # the source must come first; its own "copies" are dropped (their gradient is None -> zeros, not used)
+        # the source must come first; its own copies are dropped
         return _broadcast_coalesced_reshape(list(tensors), [source] + list(targets), detach=detach)[1:]
     # test switch on the CPU: clones, connected by autograd (a clone's gradient flows back to its input)
     out = []

@@ -446,6 +446,7 @@ def test_build_info_keys():
 def test_cuda_runs_on_current_stream():
     s = torch.cuda.Stream()
     x = torch.randn(64, 128, 32, device="cuda")
+    s.wait_stream(torch.cuda.current_stream())  # x is made on the current stream
     with torch.cuda.stream(s):
         out = ops.transpose01(x)[0]
     s.synchronize()
@@ -482,8 +483,9 @@ def test_cuda_graph_capture_with_many_jobs():
     xs = [torch.randn(3, 5, 7, device="cuda") for _ in range(40)]
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # warm up outside the capture, as torch.cuda.graphs asks
-        ops.transpose01(*xs)
+    with torch.cuda.stream(s):  # warm up outside the capture, as torch.cuda.graphs asks: the staged kernel and
+        for n in (1, 8, 16, len(xs)):  # the inline ones that the capture launches
+            ops.transpose01(*xs[:n])
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):

@@ -1,8 +1,9 @@
 // Host side of gather when any chunk is on a GPU: bring foreign chunks to the target device (async
 // device-to-device copies; blocking when the target is the CPU, whose kernel reads them at once, or the source is
 // the caller's pinned host memory), then join everything in one launch there.
-#include "../gather.h"
 #include "../cpu/copy_cpu.h"
+#include "../device_routes.h"
+#include "../gather.h"
 #include "copy_cuda.h"
 
 #include <c10/cuda/CUDAFunctions.h>
@@ -14,8 +15,7 @@ namespace dpfast {
 at::Tensor gather_cuda(at::TensorList chunks, int64_t dim, c10::Device device) {
   std::vector<int64_t> shape;
   const int64_t d = gather_check(chunks, dim, shape);
-  c10::Device target = device;
-  if (target.is_cuda() && !target.has_index()) target = c10::Device(c10::kCUDA, c10::cuda::current_device());
+  const c10::Device target = resolve_device(device, c10::cuda::current_device());
   const bool to_cpu = !target.is_cuda();
   std::vector<at::Tensor> local;
   local.reserve(chunks.size());

@@ -21,6 +21,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_sequence, pad_packed_sequenc
 
 import dpfast
 from dpfast._splits import balanced_split, split_sizes, validate_chunk_sizes
+from dpfast.distributed import shard_batch
 
 from dp_testing import DT, check_against_module
 
@@ -350,6 +351,17 @@ def test_one_device_and_empty_batch():
     assert plan.mode == "once" and plan.sizes == [0, 0, 0, 0]
 
 
+def test_shard_batch_takes_the_balanced_share():
+    lengths = torch.tensor(ISSUE_LENGTHS)
+    batch = {"x": torch.arange(12), "lengths": lengths}
+    parts = [shard_batch(batch, r, 4, cost="batch['lengths']") for r in range(4)]
+    assert [len(p["x"]) for p in parts] == [1, 1, 3, 7]
+    assert torch.cat([p["x"] for p in parts]).tolist() == list(range(12))
+    assert shard_batch(batch, 0, 4, cost=lambda b: b["lengths"])["x"].tolist() == [0]
+    with pytest.raises(ValueError, match=r"cost=\"batch\['lengths'\]\" has 3 values but B = 12"):
+        shard_batch(dict(batch, lengths=[1, 2, 3]), 0, 4, cost="batch['lengths']")
+
+
 # ---- bad costs: refused before anything is copied or run ---------------------------------------------------------
 
 
@@ -368,6 +380,8 @@ def test_one_device_and_empty_batch():
 def test_bad_cost_at_construction(cost, exc, match):
     with pytest.raises(exc, match=match):
         dpfast.DataParallel(Lengths(), ["cpu"] * 2, cost=cost)
+    with pytest.raises(exc, match=match):
+        dpfast.DistributedDataParallel(Lengths(), cost=cost)  # before torch.distributed is even needed
 
 
 class Spy(nn.Module):

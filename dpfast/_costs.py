@@ -147,7 +147,7 @@ def _parse_path(text: str) -> tuple[str, list[tuple[str, Any]]]:
 class Costs:
     """``B`` costs as exact integers: sample ``i`` costs ``(prefix[i + 1] - prefix[i]) * scale``."""
 
-    prefix: list[int]
+    prefix: Sequence[int]
     scale: Fraction = Fraction(1)
 
     def per_part(self, sizes: Sequence[int]) -> list[int | float]:
@@ -157,7 +157,9 @@ class Costs:
         for s in sizes:
             c = self.prefix[start + s] - self.prefix[start]
             start += s
-            out.append(int(c * self.scale) if self.scale.denominator == 1 else float(c * self.scale))
+            if self.scale != 1:
+                c = int(c * self.scale) if self.scale.denominator == 1 else float(c * self.scale)
+            out.append(c)
         return out
 
 
@@ -235,31 +237,40 @@ def _tensor_costs(t: Tensor, batch: int, label: str) -> Costs:
     return _float_costs(t) if t.is_floating_point() else _int_costs(t.long())
 
 
-def _int_costs(t: Tensor) -> Costs:
+def _int_costs(t: Tensor, scale: Fraction = Fraction(1)) -> Costs:
     if t.numel() == 0 or int(t.max()) <= _INT64_MAX // t.numel():  # the sums fit in int64
-        return Costs([0] + torch.cumsum(t, 0).tolist())
-    return Costs(list(accumulate(t.tolist(), initial=0)))
+        return Costs(_as_ints(torch.cat([t.new_zeros(1), torch.cumsum(t, 0)])), scale)
+    return Costs(list(accumulate(t.tolist(), initial=0)), scale)
+
+
+def _as_ints(t: Tensor) -> Sequence[int]:
+    """A 1-D int64 tensor as a sequence of Python ints: a memoryview over its buffer where numpy is there (it reads
+    ints on access; a list of ``B`` ints would cost more than the whole search), else a list."""
+    try:
+        return memoryview(t.numpy())
+    except (RuntimeError, TypeError, ValueError):  # no numpy
+        return t.tolist()
 
 
 def _float_costs(t: Tensor) -> Costs:
     """Exact integers for float64 costs: ``t = m * 2**e`` with an integer ``m``; shift all to the smallest ``e``."""
-    if t.numel() == 0 or not (t != 0).any():
+    nz = t != 0
+    if not nz.any():
         return Costs([0] * (t.numel() + 1))
     if torch.equal(t, t.trunc()) and float(t.max()) < 2.0**62:
         return _int_costs(t.long())
     mant, exp = torch.frexp(t)
     m = (mant * 2.0**53).long()  # exact: a float64 significand has 53 bits
-    e = exp.long() - 53
-    nz = m != 0
-    lowest = torch.where(nz, m & -m, torch.ones_like(m))  # strip trailing zero bits: fewer bits to add up
-    tz = torch.log2(lowest.double()).long()
-    m, e = m >> tz, e + tz
-    e_min = int(e[nz].min())
-    shift = torch.where(nz, e - e_min, torch.zeros_like(e))
-    bits = int((torch.frexp(m.double())[1].long() + shift).max())
+    # strip trailing zero bits (fewer bits to add up): the lowest set bit 2**k has frexp exponent k + 1
+    tz = (torch.frexp((m & -m).double())[1] - 1).clamp_(min=0)
+    m >>= tz
+    e = exp + tz - 53
+    e_min = int(e.masked_fill(~nz, torch.iinfo(e.dtype).max).min())
+    shift = (e - e_min).masked_fill_(~nz, 0).long()
+    bits = int((torch.frexp(m.double())[1] + shift).max())
     scale = Fraction(2) ** e_min
     if bits + t.numel().bit_length() <= 63:
-        return Costs([0] + torch.cumsum(m << shift, 0).tolist(), scale)
+        return _int_costs(m << shift, scale)
     return Costs(list(accumulate((a << b for a, b in zip(m.tolist(), shift.tolist())), initial=0)), scale)
 
 
@@ -287,35 +298,41 @@ def _exact_costs(values: Sequence[Any], label: str) -> Costs:
     return Costs(list(accumulate((n * (common // d) for n, d in ratios), initial=0)), Fraction(1, common))
 
 
-@dataclasses.dataclass
 class Balance:
-    """What a cost-balanced split costs per device, next to the count split (for ``plan()``)."""
+    """What a cost-balanced split costs per device, next to the count split (for ``plan()``; computed when read, so
+    a call that only runs pays nothing for it)."""
 
-    label: str  # where the costs came from: the path, or ``fn(...)``
-    costs: list  # per device (0 where a device gets nothing)
-    imbalance: float  # largest device cost over the mean (relative to chunk_sizes weights)
-    count_sizes: list[int]
-    count_costs: list
-    count_imbalance: float
-    weighted: bool
+    def __init__(
+        self, costs: Costs, label: str, sizes: Sequence[int], count: Sequence[int], weights: Sequence[Fraction] | None
+    ):
+        self.label = label  # where the costs came from: the path, or ``fn(...)``
+        self.sizes = list(sizes)
+        self.count_sizes = list(count)
+        self.weighted = weights is not None
+        self._costs = costs
+        self._weights = weights
 
+    @property
+    def costs(self) -> list:
+        """Each device's cost (0 where a device gets nothing)."""
+        return self._costs.per_part(self.sizes)
 
-def balance_of(
-    costs: Costs, label: str, sizes: Sequence[int], count: Sequence[int], weights: Sequence[Fraction] | None
-) -> Balance:
-    return Balance(
-        label,
-        costs.per_part(sizes),
-        _imbalance(costs, sizes, weights),
-        list(count),
-        costs.per_part(count),
-        _imbalance(costs, count, weights),
-        weights is not None,
-    )
+    @property
+    def count_costs(self) -> list:
+        return self._costs.per_part(self.count_sizes)
+
+    @property
+    def imbalance(self) -> float:
+        """The largest device cost over the mean (each relative to its chunk_sizes weight): 1.0 is a perfect balance."""
+        return _imbalance(self._costs, self.sizes, self._weights)
+
+    @property
+    def count_imbalance(self) -> float:
+        return _imbalance(self._costs, self.count_sizes, self._weights)
 
 
 def _imbalance(costs: Costs, sizes: Sequence[int], weights: Sequence[Fraction] | None) -> float:
-    """``max_j C_j / w_j`` over ``total / sum(w)``: 1.0 is a perfect balance (every device its share)."""
+    """``max_j C_j / w_j`` over ``total / sum(w)``."""
     total = costs.prefix[-1]
     if total == 0:
         return 1.0

@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
 from ._binding import ArgumentSpecs, ArgumentTree
-from ._costs import Balance, CostSpec, balance_of
+from ._costs import Balance, CostSpec
 from ._errors import ScatterError
 from ._render import plan_text, scatter_message
 from ._splits import balanced_split, split_sizes
@@ -196,7 +196,7 @@ def plan_call(
     if cost is not None:
         costs = cost.read(args, kwargs, batch)
         count, sizes = sizes, balanced_split(costs.prefix, parts, weights)
-        balance = balance_of(costs, cost.text, sizes, count, weights)
+        balance = Balance(costs, cost.text, sizes, count, weights)
     if batch == 0:
         return CallPlan("once", tree, mapped, 0, sizes, devices, output_device, "B = 0")
     return CallPlan("split", tree, mapped, batch, sizes, devices, output_device, balance=balance)

@@ -86,13 +86,16 @@ def balanced_split(prefix: Sequence[int], n: int, weights: Sequence[Fraction] | 
     k = len(active)
     mult, lcm, total_weight = _multipliers([Fraction(1)] * k if weights is None else [weights[j] for j in active])
 
-    def covers(u: int) -> bool:
-        end = 0
+    def covers(u: int) -> int | None:
+        """The largest counted cost of the greedy split at ``u`` (``<= u``), or None when it leaves samples."""
+        end, top = 0, 0
         for m in mult:
-            end = bisect_right(prefix, prefix[end] + u // m, end) - 1
+            start = end
+            end = bisect_right(prefix, prefix[start] + u // m, start) - 1
+            top = max(top, (prefix[end] - prefix[start]) * m)
             if end == batch:
-                return True
-        return False
+                return top
+        return None
 
     targets = list(_cumulative([count[j] for j in active]))
     hi = max((prefix[b] - prefix[a]) * m for a, b, m in zip([0] + targets, targets, mult))
@@ -100,10 +103,11 @@ def balanced_split(prefix: Sequence[int], n: int, weights: Sequence[Fraction] | 
     lo = min(-(-prefix[-1] * lcm // total_weight), hi)
     while lo < hi:
         mid = (lo + hi) // 2
-        if covers(mid):
-            hi = mid
-        else:
+        top = covers(mid)
+        if top is None:
             lo = mid + 1
+        else:
+            hi = top
     caps = [lo // m for m in mult]
     # low[j]: the earliest start from which devices j..k-1 can still cover the rest (the greedy from the right)
     low = [0] * (k + 1)

@@ -345,6 +345,16 @@ def test_integer_and_float_tensors_of_any_dtype():
     assert worst(tiny.tolist(), plan_sizes(tiny, n=2).sizes, None) == brute_force(tiny.tolist(), 2, None)
 
 
+def test_costs_without_numpy(monkeypatch):
+    def no_numpy(self):
+        raise RuntimeError("Numpy is not available")
+
+    expected = plan_sizes(torch.tensor(ISSUE_LENGTHS)).sizes
+    monkeypatch.setattr(torch.Tensor, "numpy", no_numpy)
+    assert plan_sizes(torch.tensor(ISSUE_LENGTHS)).sizes == expected == [1, 1, 3, 7]
+    assert plan_sizes(torch.tensor(ISSUE_LENGTHS) * 0.1).sizes == expected
+
+
 def test_one_device_and_empty_batch():
     assert dpfast.DataParallel(Lengths(), ["cpu"], cost="lengths").plan(torch.zeros(3, 3), "ignored").mode == "direct"
     plan = plan_sizes(torch.zeros(0, dtype=torch.int64))

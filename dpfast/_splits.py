@@ -69,7 +69,7 @@ def balanced_split(prefix: Sequence[int], n: int, weights: Sequence[Fraction] | 
     len(prefix) - 1``; :mod:`dpfast._costs` makes any costs exact integers). Weight-0 devices get nothing.
 
     Exact: scale the weights to integers ``W_j`` with ``L = lcm(W)``; a device's cost ``C`` then counts as the
-    integer ``C * L // W_j``, so the optimum ``U*`` is an integer and the smallest ``U`` at which the devices, in
+    integer ``C * (L // W_j)``, so the optimum ``U*`` is an integer and the smallest ``U`` at which the devices, in
     order, each taking the longest prefix of the rest whose count is ``<= U``, cover the batch (that greedy covers
     the batch at ``U`` exactly when some split does). A binary search over integers finds it; every comparison is
     between integers, so nothing is rounded.
@@ -99,7 +99,7 @@ def balanced_split(prefix: Sequence[int], n: int, weights: Sequence[Fraction] | 
 
     targets = list(_cumulative([count[j] for j in active]))
     hi = max((prefix[b] - prefix[a]) * m for a, b, m in zip([0] + targets, targets, mult))
-    # the devices' counted costs sum to at least prefix[-1] * lcm / sum(W) of the largest: a lower bound
+    # every device's cost is at most U // m_j, so the total is at most U * sum(W) / L: a lower bound for U
     lo = min(-(-prefix[-1] * lcm // total_weight), hi)
     while lo < hi:
         mid = (lo + hi) // 2

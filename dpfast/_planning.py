@@ -8,6 +8,9 @@ mapped tensor along its batch axis; the size with most votes wins and ties go to
 order: positional, then keyword). So ``f(x, h)`` with ``x`` ``(B, T, F)`` and an LSTM state ``h = (h0, c0)`` of
 ``(L, B, H)`` under the default ``dim=0`` reads ``B`` from ``x`` and reports ``h[0]`` and ``h[1]`` as the mismatch,
 with ``in_dims={'h': 1}`` as the fix.
+
+With ``cost`` (a :class:`~dpfast._costs.CostSpec`) the per-device sizes minimize the largest device cost instead of
+evening out counts (:func:`~dpfast._splits.balanced_split`); the costs are read and checked once ``B`` is known.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
 from ._binding import ArgumentSpecs, ArgumentTree
+from ._costs import Balance, CostSpec
 from ._errors import ScatterError
 from ._render import plan_text, scatter_message
-from ._splits import split_sizes
+from ._splits import balanced_split, split_sizes
 from ._tree import packed_batch
 
 
@@ -124,6 +128,8 @@ class CallPlan:
     ``mode``: ``"split"`` (``B`` split over the devices), ``"once"`` (``B == 0`` or nothing to split: one call on
     the first device; ``reason`` says which), ``"direct"`` (one device: the module is called directly, like
     torch) or ``"passthrough"`` (no devices and no CUDA: the module is called directly).
+
+    ``balance``: with ``cost``, each device's cost for ``sizes`` and for the count split (else ``None``).
     """
 
     mode: str
@@ -134,6 +140,7 @@ class CallPlan:
     devices: list[torch.device]  # every device_ids entry ([] for ranks)
     output_device: torch.device | None = None
     reason: str = ""
+    balance: Balance | None = None
 
     @property
     def replicas(self) -> list[tuple[int, Any, int]]:
@@ -165,12 +172,14 @@ def plan_call(
     *,
     devices: Sequence[torch.device] = (),
     output_device: torch.device | None = None,
+    cost: CostSpec | None = None,
 ) -> CallPlan:
     """Bind the call, check its inputs and batch, and split ``B`` over ``parts`` devices (or ranks).
 
     With ``devices`` (``DataParallel``) the inputs' devices are checked against them, and a single device plans a
-    direct call with nothing split, as ``torch.nn.DataParallel`` makes one. Raises ``ScatterError`` and the spec
-    errors (``TypeError``/``ValueError`` naming the argument) before anything is copied.
+    direct call with nothing split, as ``torch.nn.DataParallel`` makes one. With ``cost`` the split balances the
+    call's per-sample costs (read whenever there is a ``B``, so ``B == 0`` wants no costs). Raises ``ScatterError``
+    and the spec and cost errors (``TypeError``/``ValueError`` naming the argument) before anything is copied.
     """
     tree = ArgumentTree(specs, args, kwargs)
     devices = list(devices)
@@ -183,9 +192,14 @@ def plan_call(
     if batch is None:
         return CallPlan("once", tree, mapped, None, [], devices, output_device, "no tensor to split")
     sizes = split_sizes(batch, parts, weights)
+    balance = None
+    if cost is not None:
+        costs = cost.read(args, kwargs, batch)
+        count, sizes = sizes, balanced_split(costs.prefix, parts, weights)
+        balance = Balance(costs, cost.text, sizes, count, weights)
     if batch == 0:
         return CallPlan("once", tree, mapped, 0, sizes, devices, output_device, "B = 0")
-    return CallPlan("split", tree, mapped, batch, sizes, devices, output_device)
+    return CallPlan("split", tree, mapped, batch, sizes, devices, output_device, balance=balance)
 
 
 def passthrough_plan(forward: Callable, args: Sequence[Any], kwargs: dict[str, Any]) -> CallPlan:

@@ -128,15 +128,39 @@ def plan_text(plan: Any) -> str:
     else:
         n = len(plan.replicas)
         head = (
-            f"dpfast plan: B = {plan.batch_size} split {plan.sizes} over {n} replica{'s' if n != 1 else ''}, "
-            f"output on {plan.output_device}"
+            f"dpfast plan: B = {plan.batch_size} split {plan.sizes}{' by cost' if plan.balance else ''} over {n} "
+            f"replica{'s' if n != 1 else ''}, output on {plan.output_device}"
         )
+        if plan.balance is not None:
+            head += "\n" + "\n".join("  " + line for line in balance_lines(plan.balance, plan.sizes))
     reps = plan.replicas
     header = ("path", "shape", "spec") + tuple(f"#{i} {d}" for i, d, _ in reps)
     rows = [header] + [(p, sh, sp, *cells) for p, sh, sp, cells in _leaf_rows(plan, [s for _, _, s in reps])]
     if len(rows) == 1:
         return head + "\n  (no arguments)"
     return "\n".join([head] + ["  " + line for line in table(rows)])
+
+
+def _number(x: Any) -> str:
+    return str(x) if isinstance(x, int) else f"{x:.6g}"
+
+
+def balance_lines(balance: Any, sizes: Sequence[int]) -> list[str]:
+    """Each device's cost and the largest-to-mean ratio, for this split and for the count split."""
+    costs = "[" + ", ".join(map(_number, balance.costs)) + "]"
+    count = "[" + ", ".join(map(_number, balance.count_costs)) + "]"
+    rel = " (relative to chunk_sizes)" if balance.weighted else ""
+    lines = [f"cost {balance.label} per device: {costs}, largest/mean {balance.imbalance:.2f}{rel}"]
+    if list(sizes) == balance.count_sizes:
+        lines.append(
+            f"the count split {balance.count_sizes} is the same (cost {count}, largest/mean "
+            f"{balance.count_imbalance:.2f})"
+        )
+    else:
+        lines.append(
+            f"the count split {balance.count_sizes} would cost {count}, largest/mean {balance.count_imbalance:.2f}"
+        )
+    return lines
 
 
 def _leaf_rows(plan: Any, replica_sizes: Sequence[int]) -> list[tuple[str, str, str, list[str]]]:

@@ -1,4 +1,5 @@
-"""How many samples each device (or rank) gets: an even split, or one proportional to ``chunk_sizes`` weights.
+"""How many samples each device (or rank) gets: an even split, one proportional to ``chunk_sizes`` weights, or one
+that balances per-sample costs (:func:`balanced_split`).
 
 Splits are contiguous and in the caller's order, and always sum to ``B``: nothing is dropped or repeated.
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from fractions import Fraction
 
@@ -58,3 +60,85 @@ def split_sizes(batch: int, n: int, weights: Sequence[Fraction] | None = None) -
     for i in order[:left]:
         sizes[i] += 1
     return sizes
+
+
+def balanced_split(prefix: Sequence[int], n: int, weights: Sequence[Fraction] | None = None) -> list[int]:
+    """Contiguous per-device sizes that minimize the largest device cost relative to its weight.
+
+    ``prefix`` holds the prefix sums of ``B`` non-negative **integer** costs (``prefix[0] == 0``, ``B =
+    len(prefix) - 1``; :mod:`dpfast._costs` makes any costs exact integers). Weight-0 devices get nothing.
+
+    Exact: scale the weights to integers ``W_j`` with ``L = lcm(W)``; a device's cost ``C`` then counts as the
+    integer ``C * (L // W_j)``, so the optimum ``U*`` is an integer and the smallest ``U`` at which the devices, in
+    order, each taking the longest prefix of the rest whose count is ``<= U``, cover the batch (that greedy covers
+    the batch at ``U`` exactly when some split does). A binary search over integers finds it; every comparison is
+    between integers, so nothing is rounded.
+
+    Ties (several splits reach ``U*``): the boundaries are the count split's (:func:`split_sizes`) where an optimal
+    split allows, else the nearest that does, decided from the first boundary to the last. So the count split is
+    kept whenever it is optimal (equal costs, all costs zero), and the result is deterministic.
+    """
+    batch = len(prefix) - 1
+    count = split_sizes(batch, n, weights)
+    active = [j for j in range(n) if weights is None or weights[j] > 0]
+    if batch == 0 or len(active) == 1 or prefix[-1] == 0:
+        return count
+    k = len(active)
+    mult, lcm, total_weight = _multipliers([Fraction(1)] * k if weights is None else [weights[j] for j in active])
+
+    def covers(u: int) -> int | None:
+        """The largest counted cost of the greedy split at ``u`` (``<= u``), or None when it leaves samples."""
+        end, top = 0, 0
+        for m in mult:
+            start = end
+            end = bisect_right(prefix, prefix[start] + u // m, start) - 1
+            top = max(top, (prefix[end] - prefix[start]) * m)
+            if end == batch:
+                return top
+        return None
+
+    targets = list(_cumulative([count[j] for j in active]))
+    hi = max((prefix[b] - prefix[a]) * m for a, b, m in zip([0] + targets, targets, mult))
+    # every device's cost is at most U // m_j, so the total is at most U * sum(W) / L: a lower bound for U
+    lo = min(-(-prefix[-1] * lcm // total_weight), hi)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        top = covers(mid)
+        if top is None:
+            lo = mid + 1
+        else:
+            hi = top
+    caps = [lo // m for m in mult]
+    # low[j]: the earliest start from which devices j..k-1 can still cover the rest (the greedy from the right)
+    low = [0] * (k + 1)
+    low[k] = batch
+    for j in range(k - 1, 0, -1):
+        low[j] = bisect_left(prefix, prefix[low[j + 1]] - caps[j], 0, low[j + 1])
+    bounds = [0]
+    for j in range(k - 1):
+        start = bounds[-1]
+        reach = bisect_right(prefix, prefix[start] + caps[j], start) - 1
+        bounds.append(min(max(targets[j], low[j + 1], start), reach))
+    bounds.append(batch)
+    sizes = [0] * n
+    for j, a, b in zip(active, bounds, bounds[1:]):
+        sizes[j] = b - a
+    return sizes
+
+
+def _cumulative(sizes: Sequence[int]):
+    total = 0
+    for s in sizes:
+        total += s
+        yield total
+
+
+def _multipliers(weights: Sequence[Fraction]) -> tuple[list[int], int, int]:
+    """Positive weights scaled to coprime integers ``W``: ``([L // W_j], L, sum(W))`` with ``L = lcm(W)``. A cost
+    ``C`` on device ``j`` counts as ``C * (L // W_j)``, an integer ordered as ``C / weight_j`` is."""
+    den = math.lcm(*(w.denominator for w in weights))
+    ints = [w.numerator * (den // w.denominator) for w in weights]
+    g = math.gcd(*ints)
+    ints = [w // g for w in ints]
+    lcm = math.lcm(*ints)
+    return [lcm // w for w in ints], lcm, sum(ints)

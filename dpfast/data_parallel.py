@@ -8,12 +8,13 @@ sample, and checks every input before anything is copied or run.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import torch
 from torch import nn
 
 from ._binding import ArgumentSpecs, forward_of
+from ._costs import CostSpec
 from ._execute import run_replicas
 from ._gather import gather_outputs
 from ._planning import CallPlan, passthrough_plan, plan_call
@@ -72,6 +73,11 @@ class DataParallel(nn.Module):
         out_dims: per output, as prefix specs: int (concatenate), ``None`` (replica 0's value), ``"sum"``, ``"mean"``
             (weighted by each replica's share of the batch).
         chunk_sizes: relative weights per device (``0`` skips a device); default an even split.
+        cost: balance work, not counts: the name of a ``forward`` parameter holding ``B`` per-sample costs
+            (``"lengths"``), a path into one (``"batch['lengths']"``; a ``PackedSequence`` there means its
+            sequence lengths), or a callable taking the call's arguments as ``forward`` does and returning them.
+            The split stays contiguous and in order and minimizes the largest device cost (relative to
+            ``chunk_sizes``); ``plan()`` shows each device's cost and the count split's.
 
     Behaviour worth knowing:
         * ``B`` is the size that most top-level arguments agree on along their batch axis (ties: the earliest
@@ -102,6 +108,7 @@ class DataParallel(nn.Module):
         in_dims: Any = None,
         out_dims: Spec = None,
         chunk_sizes: Sequence[float] | None = None,
+        cost: str | Callable[..., Any] | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -115,6 +122,8 @@ class DataParallel(nn.Module):
         # call's values is left to check per call.
         self._specs = ArgumentSpecs(forward_of(module), in_dims, dim)
         validate_spec(out_dims, "out_dims", allow_reductions=True)
+        self.cost = cost
+        self._cost = None if cost is None else CostSpec(cost, self._specs)
 
         if device_ids is None and not torch.cuda.is_available():
             # like torch: no accelerator and nothing asked for -> call the module directly. output_device and the
@@ -174,7 +183,7 @@ class DataParallel(nn.Module):
         self._replicas.check_module_device(self.module, self._devices[0])
         return plan_call(
             self._specs, inputs, kwargs, len(self._devices), self._weights,
-            devices=self._devices, output_device=self._output_device,
+            devices=self._devices, output_device=self._output_device, cost=self._cost,
         )  # fmt: skip
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:

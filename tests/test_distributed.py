@@ -74,6 +74,26 @@ class Losses(nn.Module):
         return F.mse_loss(pred, y), ((pred - y) ** 2).sum(), pred
 
 
+class ByLength(nn.Module):
+    """Per-sample outputs scaled by each sample's length, and a per-sample-mean loss: the costs are an input."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x, lengths):
+        pred = self.lin(x) * lengths.unsqueeze(1)
+        return pred.pow(2).mean(), pred
+
+
+SORTED_LENGTHS = [9.0, 5.0, 3.0, 2.0, 1.0, 1.0, 1.0]  # sorted, as packed batches are: the count split is lopsided
+
+
+def _lengths_xy():
+    g = torch.Generator().manual_seed(300)
+    return torch.randn(len(SORTED_LENGTHS), 4, dtype=DT, generator=g), torch.tensor(SORTED_LENGTHS, dtype=DT)
+
+
 class NoEmpty(Losses):
     """Refuses an empty batch (like BatchNorm in training mode does for B = 1): exercises the ghost fallback."""
 
@@ -202,6 +222,8 @@ def _scenarios(world):
     out["one_rank_bad_structure"] = _one_rank_bad_structure
     out["one_rank_cannot_gather"] = _one_rank_cannot_gather
     out["shard_helpers"] = _shard_helpers
+    out["cost_balanced_split"] = _cost_balanced_split
+    out["cost_values_differ_across_ranks"] = _cost_values_differ_across_ranks
     return out
 
 
@@ -253,6 +275,33 @@ def _sync_batchnorm_vs_full_batch(b):
             torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad of {name}: {m}")
         for (name, x1), (_, x2) in zip(ddp.module.named_buffers(), plain.named_buffers()):
             torch.testing.assert_close(x1, x2, msg=lambda m, name=name: f"buffer {name}: {m}")
+
+
+def _cost_balanced_split():
+    """cost=: full-batch outputs and gradients as without it, on a split that is not the count split; the rows a
+    rank runs are shard_batch's with the same cost."""
+    world = dist.get_world_size()
+    ddp = _compare_with_full_batch(
+        ByLength, _lengths_xy(), lambda o: o[0] + o[1].sum(), dict(out_dims=("mean", 0), cost="lengths")
+    )
+    prefix = [0] + torch.tensor(SORTED_LENGTHS).cumsum(0).long().tolist()
+    assert list(ddp.share.sizes) == dpfast._splits.balanced_split(prefix, world)
+    assert list(ddp.share.sizes) != dpfast._splits.split_sizes(len(SORTED_LENGTHS), world)
+    x, lengths = _lengths_xy()
+    part = shard_batch({"x": x, "lengths": lengths}, cost="batch['lengths']")
+    torch.testing.assert_close(part["x"], x[ddp.share.start : ddp.share.stop])
+
+
+def _cost_values_differ_across_ranks():
+    """Same shapes, other cost values on one rank: the ranks would cut different rows; every rank raises instead."""
+    rank = dist.get_rank()
+    ddp = dpfast.DistributedDataParallel(ByLength().to(DT), out_dims=("mean", 0), cost="lengths", gather_outputs=True)
+    x, lengths = _lengths_xy()
+    if rank == 1:
+        lengths = lengths.flip(0)
+    _expect_batch_error(ddp, x, lengths, contains=("different splits", "by cost"))
+    out = ddp(*_lengths_xy())  # the group is still usable
+    (out[0] + out[1].sum()).backward()
 
 
 def _local_loss_scale(b):

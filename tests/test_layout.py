@@ -20,6 +20,7 @@ PIPELINE = [
     "_specs",
     "_binding",
     "_splits",
+    "_costs",
     "_render",
     "_errors",
     "_planning",

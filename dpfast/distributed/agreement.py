@@ -1,7 +1,8 @@
 """Before each forward, every rank checks that all ranks were given the same global batch.
 
-One small all-gather of ``(status, B, fingerprint)``: the fingerprint hashes the argument structure and the
-shape/dtype of every tensor to split (with ``check_batch="values"`` also their bytes). A disagreement, or a rank
+One small all-gather of ``(status, B, fingerprint, split)``: the fingerprint hashes the argument structure and the
+shape/dtype of every tensor to split (with ``check_batch="values"`` also their bytes), ``split`` the per-rank sizes
+(with ``cost`` they depend on the cost values, which shapes alone do not pin down). A disagreement, or a rank
 that could not plan its call, raises :class:`DistributedBatchError` on **every** rank, with a line per rank,
 instead of leaving the others waiting in a later collective.
 """
@@ -30,6 +31,8 @@ def _local_summary(plan: CallPlan | None, error: BaseException | None) -> str:
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         return f"{type(error).__name__}: {first}"
     parts = [f"B = {plan.batch_size if plan.batch_size is not None else '-'}"]
+    if plan.balance is not None:
+        parts.append(f"split {plan.sizes} by cost")
     parts += [f"{m.leaf.path} {shape_text(m.leaf.value)}" for m in plan.mapped]
     return ", ".join(parts)
 
@@ -68,8 +71,9 @@ def agree_on_batch(
     status = 1 if error is not None else 0
     batch = plan.batch_size if plan is not None else None
     items = _fingerprint_items(plan, signature_text, hash_values)
+    split = fingerprint(plan.sizes) if plan is not None else 0
     mine = torch.tensor(
-        [status, -1 if batch is None else batch, fingerprint(items)], dtype=torch.int64, device=group.comm_device
+        [status, -1 if batch is None else batch, fingerprint(items), split], dtype=torch.int64, device=group.comm_device
     )
     allv = [torch.empty_like(mine) for _ in range(group.world)]
     dist.all_gather(allv, mine, group=group.process_group)
@@ -102,6 +106,11 @@ def _headline(rows: list[tuple[int, ...]], hash_values: bool) -> str:
             f"({', '.join('-' if b < 0 else str(b) for b in bs)}); every rank must get the same "
             "global batch (or load per-rank data and use dpfast.distributed.shard_batch / "
             "shard_dataset with torch's DistributedDataParallel)"
+        )
+    if len({row[2] for row in rows}) == 1:
+        return (
+            f"the ranks planned different splits of the same B = {bs[0]}: their cost values or chunk_sizes differ; "
+            "every rank must get the same global batch, costs and chunk_sizes"
         )
     what = "shapes, dtypes, structure or values" if hash_values else "shapes, dtypes or structure"
     return (

@@ -15,7 +15,8 @@ What one forward does, on every rank:
    also hashes their bytes). Any disagreement, or a rank whose own inputs are bad, raises
    :class:`DistributedBatchError` on **every** rank, with a line per rank, instead of hanging in a later collective.
 3. Keep this rank's share of that plan: rank ``r`` gets the rows replica ``r`` would get (earlier ranks take the
-   remainder; ``chunk_sizes`` weights ranks). Inputs with spec ``None`` are used as given.
+   remainder; ``chunk_sizes`` weights ranks; ``cost`` balances per-sample costs instead of counts, and the split
+   itself is part of what the ranks agree on). Inputs with spec ``None`` are used as given.
 4. Run the module through ``torch``'s DDP forward (reducer, ``find_unused_parameters``, ``no_sync`` ... unchanged).
 5. With ``gather_outputs=True``, combine the outputs across ranks with a differentiable collective so every rank
    holds the full-batch result (see "Gradient math" below).
@@ -64,6 +65,7 @@ from torch import Tensor, nn
 from torch.distributed.utils import _to_kwargs
 
 from .._binding import ArgumentSpecs, ArgumentTree, forward_of
+from .._costs import CostSpec
 from .._errors import ScatterError
 from .._planning import CallPlan, plan_call
 from .._specs import Spec, SpecLeaf, match_spec, validate_spec
@@ -112,8 +114,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     Args:
         module, device_ids, output_device: as for torch's DDP (one device per process: ``device_ids=[local_rank]``
             on GPUs, ``None`` on the CPU).
-        in_dims, out_dims, dim, chunk_sizes: as for :class:`dpfast.DataParallel`, with ranks in place of devices
-            (``chunk_sizes`` has one relative weight per rank).
+        in_dims, out_dims, dim, chunk_sizes, cost: as for :class:`dpfast.DataParallel`, with ranks in place of
+            devices (``chunk_sizes`` has one relative weight per rank; ``cost`` balances the ranks' work, and
+            every rank computes the same split from its copy of the global batch).
         gather_outputs: all-gather the outputs (differentiably) so every rank holds the full-batch result: int spec
             -> concatenated along that axis in rank order (a 0-dim output is stacked into ``(n_ranks_with_rows,)``),
             ``"sum"``/``"mean"`` -> reduced across ranks (``"mean"`` weighted by share), ``None`` -> this rank's own
@@ -139,6 +142,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         out_dims: Spec = None,
         dim: int = 0,
         chunk_sizes: Sequence[float] | None = None,
+        cost: Any = None,
         gather_outputs: bool = False,
         check_batch: Any = True,
         **ddp_kwargs: Any,
@@ -150,6 +154,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         # Everything about the specs is checked before torch's DDP broadcasts anything.
         specs = ArgumentSpecs(forward_of(module), in_dims, dim)
         validate_spec(out_dims, "out_dims", allow_reductions=True)
+        cost_spec = None if cost is None else CostSpec(cost, specs)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "dpfast.DistributedDataParallel needs torch.distributed: call "
@@ -159,6 +164,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self.in_dims = in_dims
         self.out_dims = out_dims
         self.chunk_sizes = chunk_sizes
+        self.cost = cost
+        self._cost = cost_spec
         self.gather_outputs = bool(gather_outputs)
         self.check_batch = check_batch
         self._specs = specs
@@ -189,7 +196,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         plan: CallPlan | None = None
         error: BaseException | None = None
         try:
-            plan = plan_call(self._specs, inputs, kwargs, self._world, self._weights)
+            plan = plan_call(self._specs, inputs, kwargs, self._world, self._weights, cost=self._cost)
         except (ScatterError, TypeError, ValueError) as exc:
             # planning can fail on one rank only (a structure that does not match its spec): that rank must reach
             # the agreement too, or the others wait there for it
@@ -269,7 +276,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
 
     def extra_repr(self) -> str:
         parts = [f"world_size={self._world}"]
-        for name in ("in_dims", "out_dims", "chunk_sizes"):
+        for name in ("in_dims", "out_dims", "chunk_sizes", "cost"):
             if getattr(self, name) is not None:
                 parts.append(f"{name}={getattr(self, name)!r}")
         if self.gather_outputs:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .._binding import ArgumentSpecs, ArgumentTree
+from .._costs import CostSpec
 from .._planning import Mapped, plan_call
 from .._specs import Spec, validate_spec
 from .._splits import split_sizes, validate_chunk_sizes
@@ -124,6 +125,7 @@ def shard_batch(
     in_dims: Spec = None,
     dim: int = 0,
     chunk_sizes: Sequence[float] | None = None,
+    cost: Any = None,
 ) -> Any:
     """``rank``'s share of one global ``batch`` (a tensor or any tuple/list/dict/namedtuple/dataclass tree of them),
     cut exactly as :class:`DistributedDataParallel` cuts its inputs.
@@ -131,14 +133,17 @@ def shard_batch(
     ``in_dims`` is a spec prefix of ``batch`` (default ``dim`` everywhere; ``None`` leaves keep tensors whole); the
     batch-size checks and :class:`~dpfast.ScatterError` are ``DataParallel``'s. A rank with no rows gets empty
     slices. When nothing is split (no tensor with an int spec), every rank gets ``batch`` unchanged.
-    ``rank``/``world_size`` default to the initialized process group's.
+    ``cost`` balances per-sample costs as ``DataParallel``'s does: a path rooted at ``batch``
+    (``"batch['lengths']"``) or a callable taking ``batch``. ``rank``/``world_size`` default to the initialized
+    process group's.
     """
     rank, world_size = _rank_world(rank, world_size)
     weights = validate_chunk_sizes(chunk_sizes, world_size)
     if in_dims is not None:
         validate_spec(in_dims, "in_dims", allow_reductions=False)
     specs = ArgumentSpecs(_one_batch, None if in_dims is None else {"batch": in_dims}, dim)
-    plan = plan_call(specs, (batch,), {}, world_size, weights)
+    cost_spec = None if cost is None else CostSpec(cost, specs)
+    plan = plan_call(specs, (batch,), {}, world_size, weights, cost=cost_spec)
     if plan.batch_size is None:
         return batch
     start, stop = plan.share(rank)

@@ -547,6 +547,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     notes: list[str] = []
     rows, balance_rows, planning = [], [], None
+    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "bench_dp.json")
     if args.section in ("all", "rrn"):
         for b in batches:  # saved after every batch size: a run cut short keeps its rows

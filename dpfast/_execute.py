@@ -105,7 +105,9 @@ def run_replicas(
         raise ValueError("run_replicas: several replicas need a WorkerPool to run on")
     results: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
-    state = _State(devices)
+    # Read in the caller when several devices run at once; else only if a collective makes the replicas of a
+    # device take turns on threads: then in a thread that already entered the caller's state, which reads the same.
+    states: list[_State] = [_State(devices)] if len(set(devices)) > 1 else []
     tasks: list[threading.Event] = []
 
     def run(i: int) -> BaseException | None:
@@ -120,6 +122,10 @@ def run_replicas(
         return errors[i]
 
     def spawn(fn: Callable[[], None], device: torch.device) -> None:
+        if not states:
+            states.append(_State(devices))
+        state = states[0]
+
         def task() -> None:
             with contextlib.ExitStack() as stack:
                 state.enter(device, stack)

@@ -77,6 +77,20 @@ def _combine(leaf: SpecLeaf, values: list, device: torch.device, weights: list[f
     if all(v.dim() == 0 for v in values):
         return ops.gather([v.reshape(1) for v in values], 0, device)
     ref = values[0]
+    if ref.dim() == 0 or not -ref.dim() <= spec < ref.dim():
+        _check_concatenable(path, spec, values)
+    axis = spec % ref.dim()
+    try:
+        out = ops.gather(values, axis, device)  # checks dims, dtypes and shapes before it copies anything
+    except (ValueError, IndexError):
+        _check_concatenable(path, spec, values)  # the same problem, worded for the output and its replicas
+        raise
+    _warn_if_batch_elsewhere(path, spec, axis, values, sizes)
+    return out
+
+
+def _check_concatenable(path: str, spec: int, values: list) -> None:
+    ref = values[0]
     for r, v in enumerate(values):
         if v.dim() != ref.dim() or not -v.dim() <= spec < v.dim():
             raise ValueError(
@@ -91,8 +105,6 @@ def _combine(leaf: SpecLeaf, values: list, device: torch.device, weights: list[f
                 f"{tuple(v.shape)} {v.dtype}, replica 0 {tuple(ref.shape)} {ref.dtype}; all other axes and the "
                 "dtype must agree (is the batch on another axis? set out_dims for it)"
             )
-    _warn_if_batch_elsewhere(path, spec, axis, values, sizes)
-    return ops.gather(values, axis, device)
 
 
 def _warn_if_batch_elsewhere(path: str, spec: int, axis: int, values: list, sizes: Sequence[int]) -> None:

@@ -163,7 +163,7 @@ class _ReplicaSet:
         param_index = {id(p): k for k, p in enumerate(params)}
         buffers = list(root.buffers())
         buffer_index = {id(b): k for k, b in enumerate(buffers)}
-        self.n_params, self.n_buffers = len(params), len(buffers)
+        self.params, self.buffers = params, buffers
         # slots: (replica j, replica module, attribute name, tensor index, via setattr?)
         self.param_slots: list[tuple[int, nn.Module, str, int, bool]] = []
         self.buffer_slots: list[tuple[int, nn.Module, str, int, bool]] = []
@@ -207,25 +207,22 @@ class _ReplicaSet:
         return True
 
     def _undo_forward_changes(self) -> None:
-        """Attributes, submodules or buffers a replica's forward set in an earlier step: back to the module's."""
+        """Attributes, submodules or buffers a replica's forward set in an earlier step: back to the module's.
+        (Restoring every replica is cheaper than checking which ones changed.)"""
         for r, d, p, b, c in self.pristine:
-            if not (_same(r.__dict__, d) and _same(r._parameters, p) and _same(r._buffers, b) and _same(r._modules, c)):
-                r.__dict__.clear()
-                r.__dict__.update(d)
-                for live, snap in ((r._parameters, p), (r._buffers, b), (r._modules, c)):
-                    live.clear()
-                    live.update(snap)
+            live = r.__dict__
+            live.clear()
+            live.update(d)
+            for now, snap in ((r._parameters, p), (r._buffers, b), (r._modules, c)):
+                now.clear()
+                now.update(snap)
 
     def refresh(self) -> None:
         """Write this step's parameters (the module's own, or a broadcast copy) and fresh buffers into the slots."""
         self.clear()  # the last step's
         self._undo_forward_changes()
-        root = self.modules[0]
         detach = not torch.is_grad_enabled()
-        params = list(root.parameters())
-        buffers = list(root.buffers())
-        if len(params) != self.n_params or len(buffers) != self.n_buffers:  # pragma: no cover - valid() caught it
-            raise RuntimeError("dpfast: module changed while its replicas were refreshed")
+        params, buffers = self.params, self.buffers  # the module's very tensors, while valid() holds
         pcopies = _broadcast(params, self.source, self.copy_devices, detach)
         bcopies = _buffer_copies(buffers, self.source, self.copy_devices, detach)
         # every replica gets buffers of its own: the first on a copy device takes that device's copy, the others

@@ -31,17 +31,17 @@ class Contrastive(nn.Module):
         every_b = dpfast.all_gather(zb, 0)  # (B, 4): the negatives come from the whole batch
         start = sum(dpfast.all_gather(torch.tensor([za.shape[0]]), 0)[: dpfast.replica_index()].tolist())
         logits = za @ every_b.t() / 0.5
-        target = torch.arange(start, start + za.shape[0])
+        target = torch.arange(start, start + za.shape[0], device=za.device)
         return F.cross_entropy(logits, target, reduction="sum")
 
 
 @pytest.mark.parametrize("n, batch", [(2, 8), (3, 7), (4, 9)])
-def test_contrastive_loss_with_negatives_from_the_whole_batch_equals_one_device(n, batch):
+def test_contrastive_loss_with_negatives_from_the_whole_batch_equals_one_device(n, batch, device):
     torch.manual_seed(n)
-    module = Contrastive().to(DT)
+    module = Contrastive().to(DT).to(device)
     plain = copy.deepcopy(module)
-    a, b = torch.randn(batch, 6, dtype=DT), torch.randn(batch, 6, dtype=DT)
-    loss = dpfast.DataParallel(module, ["cpu"] * n, out_dims="sum")(a, b)
+    a, b = torch.randn(batch, 6, dtype=DT, device=device), torch.randn(batch, 6, dtype=DT, device=device)
+    loss = dpfast.DataParallel(module, [device] * n, out_dims="sum")(a, b)
     expected = plain(a, b)  # outside a call: all_gather is the identity, replica 0 of 1
     torch.testing.assert_close(loss, expected)
     loss.backward()

@@ -41,13 +41,13 @@ def _devices_run(module: nn.Module, x: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat(outs)
 
 
-def _steps(n: int, steps: int = 20):
+def _steps(n: int, steps: int = 20, device: str = "cpu", ids=None):
     torch.manual_seed(n)
-    module = Counted().to(DT)
+    module = Counted().to(DT).to(device)
     emulated = copy.deepcopy(module)
-    dp = dpfast.DataParallel(module, ["cpu"] * n)
+    dp = dpfast.DataParallel(module, ids or [device] * n)
     for step in range(steps):
-        x = torch.randn(2 * n + step % 3, 3, dtype=DT)
+        x = torch.randn(2 * n + step % 3, 3, dtype=DT, device=device)
         torch.testing.assert_close(dp(x), _devices_run(emulated, x, n), rtol=0, atol=1e-12)
     return module, emulated
 
@@ -61,8 +61,16 @@ def _assert_same_state(module, emulated, steps):
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5])
-def test_buffers_and_attributes_update_once_per_call_from_replica_zero(n):
-    module, emulated = _steps(n)
+def test_buffers_and_attributes_update_once_per_call_from_replica_zero(n, device):
+    module, emulated = _steps(n, device=device)
+    _assert_same_state(module, emulated, 20)
+
+
+@pytest.mark.cuda
+def test_replicas_on_a_second_gpu_have_buffers_of_their_own():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    module, emulated = _steps(3, device="cuda:0", ids=[0, 1, 1])  # two replicas share GPU 1's parameter copy
     _assert_same_state(module, emulated, 20)
 
 
@@ -129,8 +137,9 @@ def _train_step(module, n, x, seed):
     module.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_(True)  # (reentrant checkpointing differentiates only when an input requires it)
     torch.manual_seed(seed)
-    out = dpfast.DataParallel(module, ["cpu"] * n)(x) if n else module(x)
-    (out * torch.arange(out.numel(), dtype=DT).reshape(out.shape).sin()).sum().backward()
+    out = dpfast.DataParallel(module, [x.device] * n)(x) if n else module(x)
+    w = torch.arange(out.numel(), dtype=DT, device=out.device).reshape(out.shape).sin()
+    (out * w).sum().backward()
     return out.detach(), [p.grad.clone() for p in module.parameters()]
 
 
@@ -139,10 +148,10 @@ def _bits(t):
 
 
 @pytest.mark.parametrize("use_checkpoint", [None, True, False])
-def test_fixed_seed_gives_bit_identical_outputs_and_gradients(use_checkpoint):
+def test_fixed_seed_gives_bit_identical_outputs_and_gradients(use_checkpoint, device):
     torch.manual_seed(0)
-    module = Dropped(use_checkpoint).to(DT)
-    x = torch.randn(11, 5, dtype=DT)
+    module = Dropped(use_checkpoint).to(DT).to(device)
+    x = torch.randn(11, 5, dtype=DT, device=device)
     runs = [_train_step(module, 4, x, seed=7) for _ in range(3)]
     for out, grads in runs[1:]:
         assert torch.equal(_bits(out), _bits(runs[0][0]))

@@ -32,7 +32,7 @@ class ConvNet(nn.Module):
 
 
 def _loss(out):
-    return (out * torch.arange(out.numel(), dtype=DT).reshape(out.shape).cos()).sum()
+    return (out * torch.arange(out.numel(), dtype=DT, device=out.device).reshape(out.shape).cos()).sum()
 
 
 def _assert_buffers_equal(a, b):
@@ -42,16 +42,16 @@ def _assert_buffers_equal(a, b):
 
 @pytest.mark.parametrize("n, batch", [(2, 8), (3, 7), (4, 9)])
 @pytest.mark.parametrize("momentum", [0.1, None])
-def test_train_steps_equal_full_batch_batchnorm(n, batch, momentum):
+def test_train_steps_equal_full_batch_batchnorm(n, batch, momentum, device):
     torch.manual_seed(0)
-    plain = ConvNet(momentum).to(DT)
+    plain = ConvNet(momentum).to(DT).to(device)
     synced = convert_sync_batchnorm(copy.deepcopy(plain))
     assert sum(isinstance(m, SyncBatchNorm) for m in synced.modules()) == 3
-    dp = dpfast.DataParallel(synced, ["cpu"] * n)
+    dp = dpfast.DataParallel(synced, [device] * n)
     opt_p = torch.optim.SGD(plain.parameters(), lr=0.1)
     opt_s = torch.optim.SGD(synced.parameters(), lr=0.1)
     for _ in range(3):
-        x = torch.randn(batch, 3, 6, 6, dtype=DT)
+        x = torch.randn(batch, 3, 6, 6, dtype=DT, device=device)
         out_p, out_s = plain(x), dp(x)
         torch.testing.assert_close(out_s, out_p)
         opt_p.zero_grad()
@@ -66,7 +66,7 @@ def test_train_steps_equal_full_batch_batchnorm(n, batch, momentum):
     assert synced.bn1.num_batches_tracked.item() == 3
     plain.eval()
     synced.eval()
-    x = torch.randn(5, 3, 6, 6, dtype=DT)
+    x = torch.randn(5, 3, 6, 6, dtype=DT, device=device)
     torch.testing.assert_close(dp(x), plain(x))
 
 

@@ -3,7 +3,7 @@
 // check, without a GPU, that every unit is moved exactly once to the right place.
 #pragma once
 
-#include "copy_plan.h"
+#include "copy_jobs.h"
 
 namespace dpfast {
 

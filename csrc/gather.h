@@ -2,7 +2,7 @@
 #pragma once
 
 #include "checks.h"
-#include "copy_plan.h"
+#include "copy_jobs.h"
 
 #include <ATen/ops/empty.h>
 
@@ -34,7 +34,7 @@ inline int64_t gather_check(at::TensorList chunks, int64_t dim, std::vector<int6
 }
 
 // Queues the copy of each (already local) chunk into its slice of `out`.
-inline void gather_plan(at::TensorList local_chunks, int64_t d, const at::Tensor& out, CopyBatch& batch) {
+inline void gather_jobs(at::TensorList local_chunks, int64_t d, const at::Tensor& out, CopyBatch& batch) {
   char* base = static_cast<char*>(out.data_ptr());
   const int64_t step = out.stride(d) * static_cast<int64_t>(out.element_size());
   int64_t offset = 0;

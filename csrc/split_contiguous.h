@@ -2,7 +2,7 @@
 #pragma once
 
 #include "checks.h"
-#include "copy_plan.h"
+#include "copy_jobs.h"
 
 #include <ATen/ops/empty.h>
 
@@ -11,7 +11,7 @@ namespace dpfast {
 // Allocates every chunk on `xs`' device and queues its copy. `destinations` (scatter from the CPU: one device
 // per chunk) puts the chunks of a pinned tensor that are bound for a GPU in pinned memory too, so that their copy
 // to the GPU stays asynchronous; from pageable memory it would be staged and synchronous.
-inline std::vector<at::Tensor> split_plan(const char* op, at::TensorList xs, int64_t dim,
+inline std::vector<at::Tensor> split_jobs(const char* op, at::TensorList xs, int64_t dim,
                                           c10::SymIntArrayRef sym_sizes, CopyBatch& batch,
                                           at::ArrayRef<c10::Device> destinations = {}) {
   std::vector<int64_t> sizes;

@@ -2,13 +2,13 @@
 #pragma once
 
 #include "checks.h"
-#include "copy_plan.h"
+#include "copy_jobs.h"
 
 #include <ATen/ops/empty.h>
 
 namespace dpfast {
 
-inline std::vector<at::Tensor> transpose01_plan(at::TensorList xs, CopyBatch& batch) {
+inline std::vector<at::Tensor> transpose01_jobs(at::TensorList xs, CopyBatch& batch) {
   constexpr const char* op = "transpose01";
   check_defined(op, "tensors", xs);
   check_same_device(op, xs);

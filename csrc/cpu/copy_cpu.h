@@ -1,7 +1,7 @@
 // CPU executor of a CopyBatch.
 #pragma once
 
-#include "../copy_plan.h"
+#include "../copy_jobs.h"
 
 namespace dpfast {
 

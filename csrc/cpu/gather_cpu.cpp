@@ -11,7 +11,7 @@ at::Tensor gather_cpu(at::TensorList chunks, int64_t dim, c10::Device device) {
   const int64_t d = gather_check(chunks, dim, shape);
   at::Tensor out = at::empty(shape, chunks[0].options());
   CopyBatch batch;
-  gather_plan(chunks, d, out, batch);
+  gather_jobs(chunks, d, out, batch);
   run_copies_cpu(batch);
   return out.device() == device ? out : out.to(device);
 }

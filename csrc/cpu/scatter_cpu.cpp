@@ -11,7 +11,7 @@ std::vector<at::Tensor> scatter_cpu(at::TensorList xs, int64_t dim, c10::SymIntA
                                     at::ArrayRef<c10::Device> devices) {
   scatter_check(sizes, devices);
   CopyBatch batch;
-  auto outs = split_plan("scatter", xs, dim, sizes, batch, devices);
+  auto outs = split_jobs("scatter", xs, dim, sizes, batch, devices);
   run_copies_cpu(batch);
   scatter_move(outs, devices);
   return outs;

@@ -7,7 +7,7 @@ namespace dpfast {
 
 std::vector<at::Tensor> split_contiguous_cpu(at::TensorList xs, int64_t dim, c10::SymIntArrayRef sizes) {
   CopyBatch batch;
-  auto outs = split_plan("split_contiguous", xs, dim, sizes, batch);
+  auto outs = split_jobs("split_contiguous", xs, dim, sizes, batch);
   run_copies_cpu(batch);
   return outs;
 }

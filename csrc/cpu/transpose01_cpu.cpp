@@ -7,7 +7,7 @@ namespace dpfast {
 
 std::vector<at::Tensor> transpose01_cpu(at::TensorList xs) {
   CopyBatch batch;
-  auto outs = transpose01_plan(xs, batch);
+  auto outs = transpose01_jobs(xs, batch);
   run_copies_cpu(batch);
   return outs;
 }

@@ -1,7 +1,7 @@
 // CUDA executor of a CopyBatch: one kernel launch on the current stream of the current device.
 #pragma once
 
-#include "../copy_plan.h"
+#include "../copy_jobs.h"
 
 namespace dpfast {
 

@@ -31,7 +31,7 @@ at::Tensor gather_cuda(at::TensorList chunks, int64_t dim, c10::Device device) {
   }
   at::Tensor out = at::empty(shape, chunks[0].options().device(target));
   CopyBatch batch;
-  gather_plan(local, d, out, batch);
+  gather_jobs(local, d, out, batch);
   if (to_cpu) {
     run_copies_cpu(batch);
   } else {

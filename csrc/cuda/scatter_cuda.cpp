@@ -60,7 +60,7 @@ std::vector<at::Tensor> scatter_cuda(at::TensorList xs, int64_t dim, c10::SymInt
   const c10::Device source = xs[0].device();
   const c10::cuda::CUDAGuard guard(source);
   CopyBatch batch;
-  auto outs = split_plan("scatter", xs, dim, sizes, batch);
+  auto outs = split_jobs("scatter", xs, dim, sizes, batch);
   run_copies_cuda(batch);
   const DeviceList targets = side_stream_devices(devices, source);
   if (!targets.empty()) {

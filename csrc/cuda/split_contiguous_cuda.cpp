@@ -11,7 +11,7 @@ std::vector<at::Tensor> split_contiguous_cuda(at::TensorList xs, int64_t dim, c1
   check_same_device("split_contiguous", xs);
   const c10::cuda::CUDAGuard guard(xs[0].device());
   CopyBatch batch;
-  auto outs = split_plan("split_contiguous", xs, dim, sizes, batch);
+  auto outs = split_jobs("split_contiguous", xs, dim, sizes, batch);
   run_copies_cuda(batch);
   return outs;
 }

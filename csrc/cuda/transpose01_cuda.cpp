@@ -11,7 +11,7 @@ std::vector<at::Tensor> transpose01_cuda(at::TensorList xs) {
   check_same_device("transpose01", xs);
   const c10::cuda::CUDAGuard guard(xs[0].device());
   CopyBatch batch;
-  auto outs = transpose01_plan(xs, batch);
+  auto outs = transpose01_jobs(xs, batch);
   run_copies_cuda(batch);
   return outs;
 }

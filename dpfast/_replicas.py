@@ -104,6 +104,18 @@ def _broadcast(
     return out
 
 
+# The hook registries of an nn.Module that a forward (or backward) consults.
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+
+
 def _same(now: dict, snap: dict) -> bool:
     """``now`` holds exactly ``snap``'s keys, each bound to the very same object (C-speed identity checks)."""
     return len(now) == len(snap) and all(map(operator.is_, now.values(), snap.values())) and now.keys() == snap.keys()
@@ -188,6 +200,13 @@ class _ReplicaSet:
                     else:
                         self.buffer_slots.append((j, r, key, buffer_index[id(b)], not plain))
         self.roots = [row[0] for row in copies]
+        # Each replica gets hook dicts of its own, copied from the module's: a forward that registers hooks (HF
+        # models install their output-capturing hooks on first use) must not add them to the module's own.
+        self.hooked = [(r, m) for row in copies for r, m in zip(row, modules)]
+        for r, m in self.hooked:
+            for name in _HOOK_DICTS:
+                if name in m.__dict__:
+                    r.__dict__[name] = OrderedDict(m.__dict__[name])
         self.clear()
         self.pristine = [
             (r, r.__dict__.copy(), dict(r._parameters), dict(r._buffers), dict(r._modules))
@@ -207,7 +226,7 @@ class _ReplicaSet:
         return True
 
     def _undo_forward_changes(self) -> None:
-        """Attributes, submodules or buffers a replica's forward set in an earlier step: back to the module's.
+        """Attributes, submodules, buffers or hooks a replica's forward set in an earlier step: back to the module's.
         (Restoring every replica is cheaper than checking which ones changed.)"""
         for r, d, p, b, c in self.pristine:
             live = r.__dict__
@@ -216,6 +235,16 @@ class _ReplicaSet:
             for now, snap in ((r._parameters, p), (r._buffers, b), (r._modules, c)):
                 now.clear()
                 now.update(snap)
+        for r, m in self.hooked:  # the module's hooks as they are now (hook ids only grow: length and last id)
+            for name in _HOOK_DICTS:
+                mine, theirs = r.__dict__.get(name), m.__dict__.get(name)
+                if (
+                    mine is not None
+                    and theirs is not None
+                    and (len(mine) != len(theirs) or (theirs and next(reversed(theirs)) != next(reversed(mine))))
+                ):
+                    mine.clear()
+                    mine.update(theirs)
 
     def refresh(self) -> None:
         """Write this step's parameters (the module's own, or a broadcast copy) and fresh buffers into the slots."""

@@ -178,3 +178,34 @@ def test_checkpoint_replays_each_replicas_own_draws(use_reentrant):
         torch.manual_seed(step)
         in_turn = torch.cat([plain(c.clone()) for c in torch.split(x, [3, 3, 3])])
         torch.testing.assert_close(out_p, in_turn.detach(), rtol=0, atol=1e-12)
+
+
+def test_hooks_a_replica_installs_stay_its_own():
+    """HF models install output-capturing forward hooks on first use and mark the model as hooked: a replica doing
+    so must not add hooks to the module's submodules (they would fire once per replica's install, call after
+    call), and hooks registered on the module reach every replica."""
+    captured = []
+
+    class LazyHooks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+        def forward(self, x):
+            if not getattr(self, "hooked", False):
+                for layer in (self.a, self.b):
+                    layer.register_forward_hook(lambda mod, args, out: captured.append(out.shape[0]))
+                self.hooked = True
+            return self.b(self.a(x))
+
+    m = LazyHooks()
+    dp = dpfast.DataParallel(m, ["cpu"] * 3)
+    for _ in range(3):
+        captured.clear()
+        dp(torch.zeros(6, 2))
+        assert sorted(captured) == [2] * 6  # two layers per replica, each hook once
+    assert len(m.a._forward_hooks) == 1 and len(m.b._forward_hooks) == 1
+    m.a.register_forward_hook(lambda mod, args, out: captured.append(-1))
+    captured.clear()
+    dp(torch.zeros(6, 2))
+    assert captured.count(-1) == 3  # a hook added to the module later runs on every replica

@@ -185,3 +185,34 @@ def test_t5_two_step_decode_feeds_the_encoder_decoder_cache_back():
     assert type(first.cache) is type(ref_first.cache)
     torch.testing.assert_close(second.logits, ref_second.logits)
     assert second.cache.get_seq_length() == 2
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """accelerate keeps one process-wide state; each test (and Trainer, later) needs its own settings."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    yield
+    AcceleratorState._reset_state(True)
+
+
+@pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
+def test_accelerate_prepare_backward_and_unwrap(mixed_precision, fresh_accelerate_state):
+    from accelerate import Accelerator
+
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True, mixed_precision=mixed_precision)
+    m = torch.nn.Linear(4, 2)
+    ref = copy.deepcopy(m)
+    dp, opt = accelerator.prepare(dpfast.DataParallel(m, ["cpu"] * 3), torch.optim.SGD(m.parameters(), lr=0.1))
+    assert accelerator.unwrap_model(dp) is m
+    x = torch.randn(7, 4)
+    out = dp(x)  # prepare() wraps forward in autocast (and casts the output to float32): every replica runs under it
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed_precision == "bf16"):
+        expected = ref(x).float()
+    torch.testing.assert_close(out, expected)
+    accelerator.backward(out.pow(2).mean())
+    expected.pow(2).mean().backward()
+    tol = {"atol": 1e-2, "rtol": 1e-2} if mixed_precision == "bf16" else {}  # bf16 sums of chunks vs of the batch
+    torch.testing.assert_close(m.weight.grad, ref.weight.grad, **tol)

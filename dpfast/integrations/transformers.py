@@ -180,9 +180,8 @@ class DataParallelTrainer(transformers.Trainer):
         if self.accelerator.unwrap_model(model, keep_torch_compile=False) is not model:
             return model  # already wrapped by something else
         if self._dp is None or self._dp.module is not model:
-            self._dp = _ItemWeightedLoss(
-                model, self._dp_device_ids, self._dp_in_dims, self._dp_out_dims, self._loss_shifts_labels
-            )
+            shifts = getattr(self, "_loss_shifts_labels", False)  # how Trainer counts a causal LM's items
+            self._dp = _ItemWeightedLoss(model, self._dp_device_ids, self._dp_in_dims, self._dp_out_dims, shifts)
         return self._dp
 
     @contextlib.contextmanager

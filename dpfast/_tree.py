@@ -197,7 +197,10 @@ def unflatten_from(tdef: TreeDef, it, own_caches: bool = False) -> Any:
 def _unflatten(tdef: TreeDef, it, own_caches: bool, inside_cache: bool) -> Any:
     if tdef.kind == "leaf":
         return next(it)
-    inside_cache = inside_cache or (own_caches and tdef.kind == "object")
+    # a cache registered with pytree (transformers does so for torch.export) is a replica's own too
+    inside_cache = inside_cache or (
+        own_caches and (tdef.kind == "object" or (tdef.kind == "pytree" and is_cache(tdef.orig)))
+    )
     values = [_unflatten(c, it, own_caches, inside_cache) for c in tdef.children]
     if not inside_cache and tdef.orig is not None and all(a is b for a, b in zip(values, tdef.orig_values)):
         return tdef.orig

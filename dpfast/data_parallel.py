@@ -85,10 +85,10 @@ class DataParallel(nn.DataParallel):
         output_device: where outputs are gathered (default ``device_ids[0]``).
         dim: the batch axis of every input and output that ``in_dims``/``out_dims`` do not name.
         in_dims: batch axis per input: ``None`` (``dim`` for all), an int, a sequence by position, or a dict keyed by
-            ``module.forward``'s parameter names. Specs are pytree prefixes: int, ``None`` (replicate), or
-            tuple/list/dict mirroring the argument.
+            ``module.forward``'s parameter names. Specs are pytree prefixes: int, ``None`` (replicate), ``"items"``
+            (a list/tuple of per-sample items, split by position), or tuple/list/dict mirroring the argument.
         out_dims: per output, as prefix specs: int (concatenate), ``None`` (replica 0's value), ``"sum"``, ``"mean"``
-            (weighted by each replica's share of the batch).
+            (weighted by each replica's share of the batch), ``"items"`` (concatenate the replicas' sequences).
         chunk_sizes: relative weights per device (``0`` skips a device); default an even split.
 
     Behaviour worth knowing:
@@ -103,8 +103,10 @@ class DataParallel(nn.DataParallel):
           device the module is called directly and its output returned as is, also like torch.
         * Non-tensors under the default ``dim`` reach every replica by reference; under an explicit int spec they
           are an error. A ``PackedSequence`` under an int spec is split by sequence, in the caller's order, and
-          packed outputs are merged back by sequence. Dataclasses, namedtuples and dict subclasses keep their type
-          on the way in and out; a dataclass spec is a dict keyed by field names or an instance of that dataclass.
+          packed outputs are merged back by sequence; a jagged nested tensor is split along its batch axis 0.
+          Dataclasses (also dict hybrids such as HF's ModelOutput, by their fields), namedtuples, mappings, torch
+          pytree nodes and HF KV caches keep their type on the way in and out; a dataclass spec is a dict keyed by
+          field names or an instance of that dataclass. channels_last stays channels_last.
         * Non-tensor outputs under an int spec come back once when every replica returned an equal value,
           otherwise as a list with one value per replica.
         * Inputs must be on the CPU or on devices of device_ids' type; anything else is refused before copying.

@@ -126,7 +126,27 @@ def _decode_twice(model, ids, call):
     return first, second
 
 
-def test_gpt2_two_step_decode_feeds_the_cache_back():
+@pytest.fixture(params=["by attributes", "pytree-registered"])
+def cache_walk(request):
+    """transformers 5 registers DynamicCache with torch's pytree only for export (then dpfast uses that
+    registration); otherwise dpfast walks the cache by its attributes. Both must round-trip."""
+    if request.param == "by attributes":
+        yield request.param
+        return
+    import torch.fx._pytree as fx_pytree
+    import torch.utils._pytree as pytree
+    from transformers.integrations.executorch import register_dynamic_cache_export_support
+
+    register_dynamic_cache_export_support()
+    assert transformers.DynamicCache in pytree.SUPPORTED_NODES
+    try:
+        yield request.param
+    finally:
+        pytree._deregister_pytree_node(transformers.DynamicCache)
+        fx_pytree._deregister_pytree_flatten_spec(transformers.DynamicCache)
+
+
+def test_gpt2_two_step_decode_feeds_the_cache_back(cache_walk):
     torch.manual_seed(0)
     m = gpt2().to(DT).eval()
     dp = dpfast.DataParallel(m, ["cpu"] * 3)
@@ -151,7 +171,7 @@ def test_gpt2_two_step_decode_feeds_the_cache_back():
     assert second.cache.get_seq_length() == 5
 
 
-def test_fresh_empty_cache_passed_in_gives_each_replica_its_own():
+def test_fresh_empty_cache_passed_in_gives_each_replica_its_own(cache_walk):
     torch.manual_seed(0)
     m = gpt2().to(DT).eval()
     ids = _ids(6, 4)

@@ -138,3 +138,10 @@ def test_shard_batch_cuts_items_as_data_parallel_does():
     assert [len(p["seqs"]) for p in parts] == [3, 3, 2]
     assert all(a is b for a, b in zip([s for p in parts for s in p["seqs"]], seqs))
     assert torch.equal(torch.cat([p["y"] for p in parts]), torch.arange(8))
+
+
+def test_ddp_gather_outputs_says_it_cannot_all_gather_items():
+    from dpfast.distributed.outputs import _sort_leaves
+
+    with pytest.raises(TypeError, match=r"`output` has out_dims 'items', which gather_outputs cannot all-gather"):
+        _sort_leaves(_seqs([1, 2]), "items", 0, True, True, 1.0)

@@ -15,7 +15,7 @@ all: test
 $(VENV)/.deps: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q "torch>=2.4" ninja pytest hypothesis expecttest numpy matplotlib ruff
+	$(PY) -m pip install -q "torch>=2.4" ninja pytest hypothesis expecttest numpy matplotlib ruff transformers accelerate torchvision
 	touch $@
 
 venv: $(VENV)/.deps

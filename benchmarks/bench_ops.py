@@ -115,6 +115,40 @@ def cases(device: str, quick: bool):
             },
         )
 
+    # channels_last batches (B, C, H, W): DataParallel scatters the NHWC view (contiguous) and views each chunk back,
+    # so the fused op's path is the contiguous one; the plain-PyTorch way copies each chunk in its format
+    cpu = torch.device(device)
+    for B in [8, 64] if quick else [8, 32, 64, 256]:
+        x = torch.randn(B, 64, 28, 28, device=device).contiguous(memory_format=torch.channels_last)
+        sizes = [B // 4] * 4
+        nbytes = x.numel() * x.element_size()
+        cl = torch.channels_last
+        yield (
+            "scatter(dim=0, 4 parts) channels_last",
+            f"({B},64,28,28)",
+            nbytes,
+            {
+                "dpfast": lambda x=x, sizes=sizes: [
+                    c.permute(0, 3, 1, 2) for c in ops.scatter([x.permute(0, 2, 3, 1)], 0, sizes, [cpu] * 4)[0]
+                ],
+                "torch": lambda x=x, sizes=sizes: [p.clone() for p in torch.split(x, sizes, 0)],  # keeps the format
+                "clone": lambda x=x: x.clone(),
+            },
+        )
+        parts = [p.contiguous(memory_format=cl) for p in torch.split(x, sizes, 0)]
+        yield (
+            "gather(dim=0, 4 parts) channels_last",
+            f"({B},64,28,28)",
+            nbytes,
+            {
+                "dpfast": lambda parts=parts: ops.gather([p.permute(0, 2, 3, 1) for p in parts], 0, device).permute(
+                    0, 3, 1, 2
+                ),
+                "torch": lambda parts=parts: torch.cat(parts, 0),
+                "clone": lambda x=x: x.clone(),
+            },
+        )
+
 
 _PY_OP = None
 
@@ -157,6 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--quick", action="store_true", help="fewer sizes and shorter runs")
     p.add_argument("--out", default=os.path.join(HERE, "results"), help="folder for JSON and PNG")
     p.add_argument("--budget", type=float, default=None, help="seconds per configuration")
+    p.add_argument("--only", default=None, help="run only the ops whose name contains this text")
     args = p.parse_args(argv)
     budget = args.budget or (0.15 if args.quick else 0.8)
     rows = []
@@ -183,6 +218,8 @@ def main(argv: list[str] | None = None) -> dict:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"bench_ops_{args.device}.json")
     for op, label, nbytes, variants in cases(args.device, args.quick):
+        if args.only and args.only not in op:
+            continue
         samples = measure(variants, args.device, budget, rounds=7 if args.quick else 15)
         t = {k: statistics.median(v) for k, v in samples.items()}
         row = {

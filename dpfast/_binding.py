@@ -8,10 +8,11 @@ a usable signature the roots are ``args[i]`` and ``kwargs['name']``.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Sequence
 from typing import Any, Callable
 
-from ._specs import Spec, SpecLeaf, is_int, is_leaf_spec, match_spec, validate_spec
+from ._specs import ITEMS, Spec, SpecLeaf, is_int, is_leaf_spec, match_spec, validate_spec
 from ._tree import TreeDef, unflatten_from
 
 
@@ -65,10 +66,14 @@ class ArgumentSpecs:
         self.by_name: dict[str, Spec] = {}  # parameter name -> spec
         self.by_index: dict[int, Spec] = {}  # positional index -> spec, when forward has no usable signature
         self.extras: dict[int, Spec] = {}  # index into *args extras -> spec (from a sequence in_dims)
+        # in_dims keys that only **kwargs can bind (no check can tell them from a typo before a call): a call that
+        # lacks one warns, once per name
+        self.kwargs_only: list[str] = []
+        self._warned: set[str] = set()
 
         if in_dims is None:
             return
-        if is_int(in_dims):
+        if is_int(in_dims) or in_dims == ITEMS:
             self.default = in_dims
             return
         if isinstance(in_dims, (tuple, list)):
@@ -110,6 +115,10 @@ class ArgumentSpecs:
                     )
                 validate_spec(s, f"in_dims[{k!r}]", allow_reductions=False)
                 self.by_name[k] = s
+                if k not in known:
+                    self.kwargs_only.append(k)
+                elif k == self.var_kw and isinstance(s, dict):
+                    self.kwargs_only.extend(str(n) for n in s if n not in self.named)
             return
         raise TypeError(
             f"in_dims must be None, an int, a sequence of specs (by position) or a dict of specs keyed by "
@@ -160,6 +169,23 @@ class ArgumentSpecs:
                 return key, key, s[key], True
         return key, key, self.default, False
 
+    def warn_unused(self, kwargs: dict[str, Any]) -> None:
+        """Warn (once per name) about in_dims keys bound only through ``**kwargs`` that this call does not pass."""
+        missing = [k for k in self.kwargs_only if k not in kwargs and k not in self._warned]
+        if not missing:
+            return
+        self._warned.update(missing)
+        passed = ", ".join(sorted(kwargs)) or "none"
+        for k in missing:
+            warnings.warn(
+                f"in_dims names {k!r}, which {self.forward_name} accepts only through **{self.var_kw}, but this call "
+                f"does not pass it, so its spec applies to nothing; is it misspelt? (this call's keywords: {passed}; "
+                f"named parameters: {', '.join(self.pos_names + sorted(self.named - set(self.pos_names)))}). "
+                "dpfast warns once per name",
+                UserWarning,
+                stacklevel=5,
+            )
+
     def suggestion(self, fixes: dict[str, Spec]) -> str:
         """Render an ``in_dims=`` that keeps what the user gave and applies ``fixes`` (argument name -> spec)."""
         if self.has_signature:
@@ -168,7 +194,7 @@ class ArgumentSpecs:
             order = {n: i for i, n in enumerate(self.pos_names)}
             items = sorted(merged.items(), key=lambda kv: order.get(kv[0], len(order)))
             # an int in_dims was a default for every argument; with a dict that default is the `dim` argument
-            prefix = f"dim={self.default!r}, " if self.default != self.dim else ""
+            prefix = f"dim={self.default!r}, " if is_int(self.default) and self.default != self.dim else ""
             return prefix + "in_dims={" + ", ".join(f"{k!r}: {v!r}" for k, v in items) + "}"
         idx = dict(self.by_index)
         for k, v in fixes.items():  # keys look like "args[3]"
@@ -197,9 +223,12 @@ class ArgumentTree:
             self.arg_defs.append(match_spec(value, spec, path, specs.default, explicit, "in_dims", self.leaves))
             self.arg_names.append(name)
             self.leaf_arg.extend([a] * (len(self.leaves) - start))
+        if specs.kwargs_only:
+            specs.warn_unused(kwargs)
 
-    def rebuild(self, new_leaves: Sequence[Any]) -> tuple[tuple, dict]:
-        """The call's ``(args, kwargs)`` with the leaves replaced by ``new_leaves`` (same order)."""
+    def rebuild(self, new_leaves: Sequence[Any], own_caches: bool = False) -> tuple[tuple, dict]:
+        """The call's ``(args, kwargs)`` with the leaves replaced by ``new_leaves`` (same order); ``own_caches``
+        makes every KV cache a new object (a replica's own, see :func:`~dpfast._tree.unflatten_from`)."""
         it = iter(new_leaves)
-        values = [unflatten_from(d, it) for d in self.arg_defs]
+        values = [unflatten_from(d, it, own_caches) for d in self.arg_defs]
         return tuple(values[: self.n_args]), dict(zip(self.kw_keys, values[self.n_args :]))

@@ -1,7 +1,8 @@
 """Gather the replicas' output trees into one, leaf by leaf as ``out_dims`` says, through :mod:`dpfast.ops`.
 
 Concatenations are differentiable (gradients of the gathered outputs flow back to the replicas); ``"sum"`` and
-``"mean"`` are plain autograd arithmetic.
+``"mean"`` are plain autograd arithmetic. A concatenation keeps replica 0's memory format (channels_last in,
+channels_last out), as torch's gather does.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from . import ops
-from ._specs import Spec, SpecLeaf, match_spec
-from ._transfer import move
-from ._tree import describe_value, flatten, unflatten
+from ._nested import gather_jagged
+from ._specs import ITEMS, Spec, SpecLeaf, match_spec
+from ._transfer import inverse, memory_order, move, move_all
+from ._tree import describe_value, flatten_like, is_namedtuple, unflatten
 
 
 def gather_outputs(
@@ -31,8 +33,9 @@ def gather_outputs(
     """Combine the replicas' outputs leaf by leaf as ``out_dims`` says, onto ``device``.
 
     ``int``: concatenate along that axis (0-dim tensors are stacked into ``(n_replicas,)``; PackedSequences are
-    merged by sequence, in the caller's order; non-tensor values come back once when every replica returned an
-    equal value, else as a list with one value per replica); ``None``: replica 0's value; ``"sum"``; ``"mean"``:
+    merged by sequence, in the caller's order; jagged nested tensors along their batch axis 0; non-tensor values
+    come back once when every replica returned an equal value, else as a list with one value per replica);
+    ``"items"``: the replicas' sequences concatenated; ``None``: replica 0's value; ``"sum"``; ``"mean"``:
     weighted by each replica's share of the batch, so a per-sample-mean loss equals the full-batch mean even when
     the split is uneven.
     """
@@ -41,8 +44,8 @@ def gather_outputs(
     tdef = match_spec(outputs[0], spec, "output", dim, out_dims is not None, "out_dims", leaves0)
     columns = [[leaf.value] for leaf in leaves0]
     for r, out in enumerate(outputs[1:], start=1):
-        values, td = flatten(out)
-        if not tdef.same_structure(td):
+        values = flatten_like(out, tdef)
+        if values is None:
             raise ValueError(
                 f"replicas returned different output structures: replica 0 returned {describe_value(outputs[0])}, "
                 f"replica {r} returned {describe_value(out)}; every replica must return the same structure"
@@ -61,6 +64,8 @@ def _combine(leaf: SpecLeaf, values: list, device: torch.device, weights: list[f
         return None
     if spec is None:
         return move(values[0], device)
+    if spec == ITEMS:
+        return _concat_items(path, values, device)
     if isinstance(spec, str):
         return _reduce(path, spec, values, device, weights)
     if all(isinstance(v, PackedSequence) for v in values):
@@ -74,14 +79,25 @@ def _combine(leaf: SpecLeaf, values: list, device: torch.device, weights: list[f
             f"output `{path}` is {'/'.join(kinds)}, which cannot be concatenated along axis {spec}; give it "
             "out_dims None (replica 0's value), 'sum' or 'mean'"
         )
+    if any(v.is_nested for v in values):
+        if spec % values[0].dim() != 0 or not all(v.is_nested and v.layout == torch.jagged for v in values):
+            raise ValueError(
+                f"output `{path}` is a nested tensor, which dpfast concatenates along its batch axis 0 only when every "
+                f"replica returned a jagged one (out_dims {spec}); give it out_dims 0, or None (replica 0's value)"
+            )
+        return gather_jagged(values, device)
     if all(v.dim() == 0 for v in values):
         return ops.gather([v.reshape(1) for v in values], 0, device)
     ref = values[0]
     if ref.dim() == 0 or not -ref.dim() <= spec < ref.dim():
         _check_concatenable(path, spec, values)
     axis = spec % ref.dim()
-    try:
-        out = ops.gather(values, axis, device)  # checks dims, dtypes and shapes before it copies anything
+    perm = memory_order(ref)
+    try:  # ops.gather checks dims, dtypes and shapes before it copies anything
+        if perm is None:
+            out = ops.gather(values, axis, device)
+        else:  # replica 0 returned channels_last: gather the NHWC views (a contiguous NHWC result), view back
+            out = ops.gather([v.permute(perm) for v in values], perm.index(axis), device).permute(inverse(perm))
     except (ValueError, IndexError):
         _check_concatenable(path, spec, values)  # the same problem, worded for the output and its replicas
         raise
@@ -105,6 +121,21 @@ def _check_concatenable(path: str, spec: int, values: list) -> None:
                 f"{tuple(v.shape)} {v.dtype}, replica 0 {tuple(ref.shape)} {ref.dtype}; all other axes and the "
                 "dtype must agree (is the batch on another axis? set out_dims for it)"
             )
+
+
+def _concat_items(path: str, values: list, device: torch.device) -> Any:
+    """The replicas' sequences of per-sample items, concatenated in replica order, with every tensor on ``device``."""
+    for r, v in enumerate(values):
+        if not isinstance(v, (list, tuple)) or is_namedtuple(v):
+            raise TypeError(
+                f"out_dims for `{path}` is 'items', but replica {r} returned {describe_value(v)}; 'items' is for a "
+                "list or tuple of per-sample items: give it an int, None, 'sum' or 'mean'"
+            )
+    items = [move_all(item, device) for v in values for item in v]
+    try:
+        return type(values[0])(items)
+    except Exception:  # a sequence type with its own constructor: a plain list
+        return items
 
 
 def _warn_if_batch_elsewhere(path: str, spec: int, axis: int, values: list, sizes: Sequence[int]) -> None:

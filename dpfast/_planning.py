@@ -28,13 +28,16 @@ from torch.nn.utils.rnn import PackedSequence
 from ._binding import ArgumentSpecs, ArgumentTree
 from ._costs import Balance, CostSpec
 from ._errors import ScatterError
+from ._nested import nested_problem
 from ._render import plan_text, scatter_message
+from ._specs import ITEMS
 from ._splits import balanced_split, split_sizes
 from ._tree import packed_batch
 
 
 class Mapped:
-    """A leaf with an int spec: a tensor to split along ``axis``, or a PackedSequence to split by sequence."""
+    """A leaf with an int spec: a tensor to split along ``axis``, or a PackedSequence to split by sequence; or a
+    sequence of per-sample items under ``"items"``, split by position."""
 
     __slots__ = ("leaf", "arg", "axis", "size", "problem")
 
@@ -45,7 +48,9 @@ class Mapped:
         self.size: int | None = None
         self.problem: str | None = None
         v, spec = leaf.value, leaf.spec
-        if isinstance(v, PackedSequence):
+        if spec == ITEMS:
+            self.size = len(v)
+        elif isinstance(v, PackedSequence):
             self.size = packed_batch(v)
         elif v.dim() == 0:
             self.problem = "0-dim tensor has no batch axis"
@@ -59,16 +64,24 @@ class Mapped:
     def is_packed(self) -> bool:
         return isinstance(self.leaf.value, PackedSequence)
 
+    @property
+    def is_items(self) -> bool:
+        return self.leaf.spec == ITEMS
 
-def mapped_leaves(tree: ArgumentTree) -> list[Mapped]:
+
+def mapped_leaves(tree: ArgumentTree, splitting: bool = True) -> list[Mapped]:
     """The leaves to split; a non-tensor under an explicit int spec is an error (under the default it is passed
-    by reference, as torch does)."""
+    by reference, as torch does), and so is a nested tensor that cannot be split, unless nothing is (one device)."""
     out = []
     for leaf, arg in zip(tree.leaves, tree.leaf_arg):
-        if leaf.spec is None:
-            continue
         v = leaf.value
-        if isinstance(v, (Tensor, PackedSequence)):
+        if leaf.spec is None or (leaf.spec == ITEMS and v is None):
+            continue
+        if isinstance(v, Tensor) and v.is_nested and (problem := nested_problem(v, leaf.path, leaf.spec)):
+            if splitting:
+                raise ValueError(problem)
+            continue
+        if isinstance(v, (Tensor, PackedSequence)) or leaf.spec == ITEMS:
             out.append(Mapped(leaf, arg))
         elif leaf.explicit and v is not None:
             kind = type(v).__name__
@@ -185,7 +198,7 @@ def plan_call(
     devices = list(devices)
     if devices:
         check_input_devices(tree, devices)
-    mapped = mapped_leaves(tree)
+    mapped = mapped_leaves(tree, splitting=len(devices) != 1)
     if len(devices) == 1:  # nothing is split, so there is no batch to agree on: B is informative only
         return CallPlan("direct", tree, mapped, choose_batch(mapped), [], devices, output_device, "one device")
     batch = check_batch(tree, specs, mapped)

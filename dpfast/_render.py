@@ -9,10 +9,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
-from ._specs import Spec, spec_tree_repr
+from ._specs import ITEMS, Spec, spec_tree_repr
 from ._tree import packed_batch
 
 
@@ -26,9 +27,13 @@ def table(rows: Sequence[Sequence[str]]) -> list[str]:
 
 def shape_text(v: Any) -> str:
     if isinstance(v, Tensor):
+        if v.is_nested and v.layout != torch.jagged:
+            return f"nested({v.size(0)}, {v.layout})"
         return str(tuple(v.shape))
     if isinstance(v, PackedSequence):
         return f"packed(B={packed_batch(v)}, data={tuple(v.data.shape)})"
+    if isinstance(v, (list, tuple)):
+        return f"{type(v).__name__}[{len(v)}]"
     return type(v).__name__
 
 
@@ -38,6 +43,8 @@ def shape_text(v: Any) -> str:
 def _suggest_axis(m: Any, batch: int | None) -> Spec:
     """An axis of the mapped leaf ``m`` that has size ``batch``, or None (replicate) when none has."""
     v = m.leaf.value
+    if batch is not None and isinstance(v, Tensor) and v.is_nested:  # split along axis 0 only
+        return 0 if v.size(0) == batch else None
     if batch is not None and isinstance(v, Tensor):
         for ax, s in enumerate(v.shape):
             if s == batch:
@@ -59,6 +66,8 @@ def _note(m: Any, batch: int | None) -> str:
         return f"<- {note}; axis {ax} has size {batch}"
     if m.is_packed:
         return f"<- {note}; a PackedSequence is split by sequence: give it None to replicate it"
+    if m.is_items:
+        return f"<- {note}; it holds {m.size} items"
     if batch is not None:
         return f"<- {note}; no axis has size {batch}: replicate it with None"
     return f"<- {note}; replicate it with None"
@@ -76,7 +85,7 @@ def scatter_message(tree: Any, specs: Any, mapped: Sequence[Any], bad: Sequence[
         )
     rows = [("path", "shape", "spec", "axis", "size", "")]
     for m in mapped:
-        axis = "seq" if m.is_packed else ("-" if m.axis is None else str(m.axis))
+        axis = "seq" if m.is_packed else "items" if m.is_items else ("-" if m.axis is None else str(m.axis))
         size = "-" if m.size is None else str(m.size)
         note = _note(m, batch) if id(m) in bad_ids else ""
         rows.append((m.leaf.path, shape_text(m.leaf.value), repr(m.leaf.spec), axis, size, note))
@@ -95,7 +104,7 @@ def _fixes(tree: Any, specs: Any, mapped: Sequence[Any], bad_ids: set, batch: in
             if arg == a:
                 m = by_leaf.get(id(leaf))
                 leaf_specs.append(_suggest_axis(m, batch) if m is not None and id(m) in bad_ids else _kept_spec(leaf))
-        return spec_tree_repr(tree.arg_defs[a], leaf_specs)
+        return _items_where_sizes_differ(spec_tree_repr(tree.arg_defs[a], leaf_specs), tree.arg_defs[a], batch)
 
     bad_args = sorted({m.arg for m in mapped if id(m) in bad_ids})
     fixes: dict[str, Spec] = {}
@@ -110,6 +119,35 @@ def _fixes(tree: Any, specs: Any, mapped: Sequence[Any], bad_ids: set, batch: in
         else:
             fixes.setdefault(name, arg_spec(a))
     return {k: tuple(v) if isinstance(v, list) and k == specs.var_pos else v for k, v in fixes.items()}
+
+
+def _items_where_sizes_differ(spec: Spec, tdef: Any, batch: int | None) -> Spec:
+    """In a suggested spec, ``'items'`` for every list/tuple of ``B`` tensors whose shapes differ (per-sample
+    tensors of different lengths): a spec per element would give every replica all of them."""
+    if _is_items_list(tdef, batch):
+        return ITEMS
+    if tdef.kind == "leaf" or not _has_items_list(tdef, batch):
+        return spec
+    n = len(tdef.children)
+    if isinstance(spec, dict):
+        specs = list(spec.values())
+    else:
+        specs = list(spec) if isinstance(spec, (tuple, list)) and len(spec) == n else [spec] * n
+    new = [_items_where_sizes_differ(sp, c, batch) for sp, c in zip(specs, tdef.children)]
+    if tdef.kind in ("tuple", "list", "namedtuple") or (tdef.kind == "pytree" and not isinstance(spec, dict)):
+        return tuple(new)
+    return dict(zip(spec if isinstance(spec, dict) else tdef.keys, new))
+
+
+def _is_items_list(tdef: Any, batch: int | None) -> bool:
+    if tdef.kind not in ("list", "tuple") or not batch or len(tdef.children) != batch:
+        return False
+    values = tdef.orig_values
+    return all(isinstance(v, Tensor) and not v.is_nested for v in values) and len({v.shape for v in values}) > 1
+
+
+def _has_items_list(tdef: Any, batch: int | None) -> bool:
+    return _is_items_list(tdef, batch) or any(_has_items_list(c, batch) for c in tdef.children)
 
 
 # ---- plan() ------------------------------------------------------------------------------------------------------
@@ -174,6 +212,8 @@ def _leaf_rows(plan: Any, replica_sizes: Sequence[int]) -> list[tuple[str, str, 
         if m is not None and split:
             if m.is_packed:
                 cells = [f"packed(B={s})" for s in replica_sizes]
+            elif m.is_items:
+                cells = [f"{type(v).__name__}[{s}]" for s in replica_sizes]
             else:
                 cells = []
                 for s in replica_sizes:

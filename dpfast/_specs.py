@@ -2,8 +2,10 @@
 
 A *spec* is a pytree prefix of the value it describes: a leaf spec (``int``, ``None``, and for outputs ``"sum"`` /
 ``"mean"``) applies to every leaf below it; a tuple/list/dict spec mirrors the value's structure one level down.
-A dict spec matches a dict by key or a namedtuple/dataclass by field name (naming a subset; the rest use ``dim``);
-an instance of a dataclass matches a value of that same dataclass, every field holding that field's spec.
+A dict spec matches a mapping by key, a namedtuple/dataclass by field name, a torch pytree node by its children's
+keys or a KV cache by attribute (naming a subset; the rest use ``dim``); an instance of a dataclass matches a value
+of that same dataclass, every field holding that field's spec. ``"items"`` (in and out) takes the list or tuple
+under it as a whole: a sequence of per-sample items, split and concatenated by position.
 """
 
 from __future__ import annotations
@@ -12,10 +14,21 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
-from ._tree import LEAF, TreeDef, child_path, children_of, describe_value, is_dataclass_instance, node_kind
+from ._tree import (
+    LEAF,
+    TreeDef,
+    child_path,
+    describe_value,
+    is_dataclass_instance,
+    is_namedtuple,
+    key_names,
+    node_kind,
+    node_parts,
+)
 
 Spec = Any  # int | None | str | tuple | list | dict | dataclass instance, nested
 REDUCTIONS = ("sum", "mean")
+ITEMS = "items"  # a sequence of per-sample items
 
 
 def is_int(x: Any) -> bool:
@@ -31,16 +44,16 @@ def validate_spec(spec: Spec, where: str, allow_reductions: bool) -> None:
     if spec is None or is_int(spec):
         return
     if isinstance(spec, str):
-        if allow_reductions and spec in REDUCTIONS:
+        if spec == ITEMS or (allow_reductions and spec in REDUCTIONS):
             return
         if allow_reductions:
             raise ValueError(
                 f"{where} is {spec!r}, which is not a known reduction; use an int (concatenate along that axis), "
-                "None (replica 0's value), 'sum' or 'mean'"
+                "None (replica 0's value), 'sum', 'mean' or 'items' (concatenate sequences of per-sample items)"
             )
         raise TypeError(
-            f"{where} is the string {spec!r}; an in_dims spec is an int (the batch axis), None (replicate) or a "
-            "tuple/list/dict of specs ('sum'/'mean' are only for out_dims)"
+            f"{where} is the string {spec!r}; an in_dims spec is an int (the batch axis), None (replicate), 'items' "
+            "(a list/tuple of per-sample items) or a tuple/list/dict of specs ('sum'/'mean' are only for out_dims)"
         )
     if isinstance(spec, (tuple, list)):
         for i, s in enumerate(spec):
@@ -54,7 +67,7 @@ def validate_spec(spec: Spec, where: str, allow_reductions: bool) -> None:
         for f in dataclasses.fields(spec):
             validate_spec(getattr(spec, f.name), f"{where}.{f.name}", allow_reductions)
         return
-    allowed = "an int, None, 'sum', 'mean'" if allow_reductions else "an int, None"
+    allowed = "an int, None, 'items', 'sum', 'mean'" if allow_reductions else "an int, None, 'items'"
     raise TypeError(
         f"{where} is {type(spec).__name__} {spec!r}; a spec is {allowed}, or a tuple/list/dict (or dataclass "
         "instance) of specs mirroring the value"
@@ -73,7 +86,7 @@ class SpecLeaf:
     def __init__(self, path: str, value: Any, spec: Spec, explicit: bool):
         self.path = path
         self.value = value
-        self.spec = spec  # int | None | "sum" | "mean"
+        self.spec = spec  # int | None | "items" | "sum" | "mean"
         self.explicit = explicit  # the user named this argument (or a part of it) in in_dims/out_dims
 
 
@@ -86,12 +99,19 @@ def match_spec(
     (the DataParallel's ``dim``), as top-level arguments that ``in_dims`` does not name do.
     """
     kind = node_kind(value)
+    if spec == ITEMS:
+        if value is not None and (kind not in ("list", "tuple") or is_namedtuple(value)):
+            raise TypeError(
+                f"{what} for `{path}` is 'items', but `{path}` is {describe_value(value)}; 'items' is for a list or "
+                "tuple of per-sample items (for a tensor, give its batch axis as an int)"
+            )
+        out.append(SpecLeaf(path, value, spec, explicit))
+        return LEAF
     if is_leaf_spec(spec):
         if kind is None:
             out.append(SpecLeaf(path, value, spec, explicit))
             return LEAF
-        keys, values = children_of(value, kind)
-        meta = value if kind == "dataclass" else type(value)
+        meta, keys, values = node_parts(value, kind)
         return TreeDef(
             kind,
             meta,
@@ -113,12 +133,12 @@ def match_spec(
             )
         spec = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
     if isinstance(spec, (tuple, list)):
-        if kind not in ("tuple", "list", "namedtuple"):
+        if kind not in ("tuple", "list", "namedtuple", "pytree"):
             raise TypeError(
                 f"{what} for `{path}` is a {type(spec).__name__} of {len(spec)} specs, but `{path}` is "
                 f"{describe_value(value)}; give one int/None for it, or a spec mirroring its structure"
             )
-        keys, values = children_of(value, kind)
+        meta, keys, values = node_parts(value, kind)
         if len(spec) != len(values):
             raise ValueError(
                 f"{what} for `{path}` has {len(spec)} specs but `{path}` is {describe_value(value)}; give one spec "
@@ -126,21 +146,21 @@ def match_spec(
             )
         specs = list(spec)
     elif isinstance(spec, dict):
-        if kind not in ("dict", "namedtuple", "dataclass"):
+        if kind not in ("dict", "namedtuple", "dataclass", "pytree", "object"):
             raise TypeError(
                 f"{what} for `{path}` is a dict with keys {list(spec)!r}, but `{path}` is {describe_value(value)}; "
-                "a dict spec matches a dict (by key) or a namedtuple/dataclass (by field name)"
+                "a dict spec matches a mapping (by key) or a namedtuple/dataclass (by field name)"
             )
-        keys, values = children_of(value, kind)
-        unknown = [k for k in spec if k not in keys]
+        meta, keys, values = node_parts(value, kind)
+        names = key_names(kind, keys)
+        unknown = [k for k in spec if k not in names]
         if unknown:
             raise ValueError(
                 f"{what} for `{path}` names {unknown!r}, which `{path}` does not have; it is {describe_value(value)}"
             )
-        specs = [spec.get(k, _DEFAULT) for k in keys]
+        specs = [spec.get(k, _DEFAULT) for k in names]
     else:  # pragma: no cover - validate_spec rejects everything else at construction
         raise TypeError(f"{what} for `{path}`: unsupported spec {spec!r}")
-    meta = value if kind == "dataclass" else type(value)
     children = []
     for k, v, s in zip(keys, values, specs):
         p = child_path(path, kind, k)
@@ -170,6 +190,8 @@ def _spec_tree(tdef: TreeDef, it) -> Spec:
     children = [_spec_tree(c, it) for c in tdef.children]
     if all(is_leaf_spec(c) for c in children) and len(set(map(repr, children))) == 1:
         return children[0]
-    if tdef.kind in ("dict", "dataclass"):
+    if tdef.kind in ("dict", "dataclass", "object"):
         return dict(zip(tdef.keys, children))
+    if tdef.kind == "pytree" and not all(isinstance(k, int) for k in tdef.keys):
+        return dict(zip(key_names(tdef.kind, tdef.keys), children))
     return tuple(children)

@@ -1,8 +1,11 @@
 """Scatter whole argument trees to the replicas through :mod:`dpfast.ops` (the way out is :mod:`dpfast._gather`).
 
-All tensors that share a source device and a batch axis move in one ``ops.scatter`` call (one pack, one copy per
-device), so an LSTM state ``(h, c)`` costs one call, not two. Everything is differentiable: gradients of the
-chunks flow back to the caller's tensors.
+All tensors that share a source device, a batch axis and a memory format move in one ``ops.scatter`` call (one
+pack, one copy per device), so an LSTM state ``(h, c)`` costs one call, not two. Everything is differentiable:
+gradients of the chunks flow back to the caller's tensors.
+
+Memory format: a ``channels_last`` (or ``channels_last_3d``) tensor is an NHWC tensor in memory, so it is scattered
+as its contiguous NHWC view and every chunk is viewed back as NCHW: chunks in the caller's format, at no extra copy.
 """
 
 from __future__ import annotations
@@ -16,7 +19,24 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 
 from . import ops
 from ._binding import ArgumentTree
+from ._nested import scatter_jagged
 from ._planning import Mapped
+from ._tree import flatten, unflatten
+
+_LAST = {4: (torch.channels_last, (0, 2, 3, 1)), 5: (torch.channels_last_3d, (0, 2, 3, 4, 1))}
+
+
+def memory_order(t: Tensor) -> tuple[int, ...] | None:
+    """The permutation that views a channels_last (3d) tensor as the contiguous tensor it is in memory (NCHW ->
+    NHWC), or None for any other tensor (those move as contiguous chunks)."""
+    last = _LAST.get(t.dim())
+    if last is None or t.is_nested or t.is_contiguous() or not t.is_contiguous(memory_format=last[0]):
+        return None
+    return last[1]
+
+
+def inverse(perm: Sequence[int]) -> tuple[int, ...]:
+    return tuple(sorted(range(len(perm)), key=lambda i: perm[i]))
 
 
 def move(v: Any, device: torch.device) -> Any:
@@ -25,9 +45,17 @@ def move(v: Any, device: torch.device) -> Any:
     return v
 
 
+def move_all(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor inside it on ``device`` (a leaf, or a sequence under ``"items"``)."""
+    if isinstance(value, (Tensor, PackedSequence)) or value is None:
+        return move(value, device)
+    leaves, tdef = flatten(value)
+    return unflatten(tdef, [move(v, device) for v in leaves])
+
+
 def move_tree(tree: ArgumentTree, device: torch.device) -> tuple[tuple, dict]:
     """The call's arguments, whole, with every tensor on ``device`` (the one-call paths)."""
-    return tree.rebuild([move(leaf.value, device) for leaf in tree.leaves])
+    return tree.rebuild([move_all(leaf.value, device) for leaf in tree.leaves])
 
 
 def scatter_tree(
@@ -39,14 +67,24 @@ def scatter_tree(
     index = {id(leaf): k for k, leaf in enumerate(tree.leaves)}
     per_leaf: list[list | None] = [None] * len(tree.leaves)
 
-    groups: dict[tuple[torch.device, int], list[Mapped]] = {}
+    groups: dict[tuple[torch.device, int, tuple | None], list[Mapped]] = {}
     for m in mapped:
-        if m.is_packed:
-            per_leaf[index[id(m.leaf)]] = scatter_packed(m.leaf.value, sizes, devices)
+        v = m.leaf.value
+        if m.is_items:
+            per_leaf[index[id(m.leaf)]] = split_items(v, sizes, devices)
+        elif m.is_packed:
+            per_leaf[index[id(m.leaf)]] = scatter_packed(v, sizes, devices)
+        elif v.is_nested:
+            per_leaf[index[id(m.leaf)]] = scatter_jagged(v, sizes, devices)
         else:
-            groups.setdefault((m.leaf.value.device, m.axis), []).append(m)
-    for (_, axis), ms in groups.items():
-        chunks = ops.scatter([m.leaf.value for m in ms], axis, sizes, devices)
+            groups.setdefault((v.device, m.axis, memory_order(v)), []).append(m)
+    for (_, axis, perm), ms in groups.items():
+        if perm is None:
+            chunks = ops.scatter([m.leaf.value for m in ms], axis, sizes, devices)
+        else:  # channels_last: scatter the NHWC view along the same axis, view each chunk back as NCHW
+            back = inverse(perm)
+            chunks = ops.scatter([m.leaf.value.permute(perm) for m in ms], perm.index(axis), sizes, devices)
+            chunks = [[c.permute(back) for c in row] for row in chunks]
         for m, row in zip(ms, chunks):
             per_leaf[index[id(m.leaf)]] = row
 
@@ -65,7 +103,18 @@ def scatter_tree(
             per_leaf[k] = row
         else:
             per_leaf[k] = [v] * n
-    return [tree.rebuild([row[j] for row in per_leaf]) for j in range(n)]  # type: ignore[index]
+    # each replica gets KV caches of its own: a model updates its cache in place
+    return [tree.rebuild([row[j] for row in per_leaf], own_caches=True) for j in range(n)]  # type: ignore[index]
+
+
+def split_items(seq: Sequence, sizes: Sequence[int], devices: Sequence[torch.device]) -> list:
+    """Contiguous sub-sequences of ``seq`` (same type) with the given lengths, each item moved to its device."""
+    out, start = [], 0
+    for size, device in zip(sizes, devices):
+        part = [move_all(item, device) for item in seq[start : start + size]]
+        out.append(part if type(seq) is list else tuple(part) if type(seq) is tuple else type(seq)(part))
+        start += size
+    return out
 
 
 def scatter_packed(ps: PackedSequence, sizes: Sequence[int], devices: Sequence[torch.device]) -> list:

@@ -1,17 +1,22 @@
 """``dpfast.DataParallel``: specs -> plan -> scatter -> replicas -> execute -> gather.
 
-A drop-in for ``torch.nn.DataParallel`` (same constructor, attributes and ``state_dict`` keys) that takes the
-batch axis per input (``in_dims``) and the gather axis or reduction per output (``out_dims``), never drops a
-sample, and checks every input before anything is copied or run.
+A drop-in for ``torch.nn.DataParallel``, and a subclass of it (same constructor, attributes and ``state_dict``
+keys; ``isinstance`` is how HF Trainer, accelerate, PEFT and Lightning find ``.module``) that takes the batch axis
+per input (``in_dims``) and the gather axis or reduction per output (``out_dims``), never drops a sample, and checks
+every input before anything is copied or run. torch's hooks ``scatter``, ``replicate``, ``parallel_apply`` and
+``gather`` work with these semantics, and a subclass that overrides any of them is run through them, as torch does.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any, Callable, Union
 
 import torch
 from torch import nn
+from torch.nn.parallel.replicate import replicate
 
 from ._binding import ArgumentSpecs, forward_of
 from ._costs import CostSpec
@@ -58,7 +63,20 @@ def _public(dev: torch.device) -> int | torch.device:
     return dev.index if dev.type == "cuda" else dev
 
 
-class DataParallel(nn.Module):
+_HOOKS = ("scatter", "replicate", "parallel_apply", "gather")
+# What this thread's last DataParallel.scatter() split, per instance: the replicas' sizes (for "mean" in gather())
+# and devices (for replicate() and parallel_apply() in a forward that runs through the hooks).
+_LAST_SCATTER = threading.local()
+
+
+def _scatter_records() -> weakref.WeakKeyDictionary:
+    records = getattr(_LAST_SCATTER, "records", None)
+    if records is None:
+        records = _LAST_SCATTER.records = weakref.WeakKeyDictionary()
+    return records
+
+
+class DataParallel(nn.DataParallel):
     """Split each call's batch over ``device_ids``, run a replica of ``module`` per chunk concurrently, and gather.
 
     Args:
@@ -68,10 +86,10 @@ class DataParallel(nn.Module):
         output_device: where outputs are gathered (default ``device_ids[0]``).
         dim: the batch axis of every input and output that ``in_dims``/``out_dims`` do not name.
         in_dims: batch axis per input: ``None`` (``dim`` for all), an int, a sequence by position, or a dict keyed by
-            ``module.forward``'s parameter names. Specs are pytree prefixes: int, ``None`` (replicate), or
-            tuple/list/dict mirroring the argument.
+            ``module.forward``'s parameter names. Specs are pytree prefixes: int, ``None`` (replicate), ``"items"``
+            (a list/tuple of per-sample items, split by position), or tuple/list/dict mirroring the argument.
         out_dims: per output, as prefix specs: int (concatenate), ``None`` (replica 0's value), ``"sum"``, ``"mean"``
-            (weighted by each replica's share of the batch).
+            (weighted by each replica's share of the batch), ``"items"`` (concatenate the replicas' sequences).
         chunk_sizes: relative weights per device (``0`` skips a device); default an even split.
         cost: balance work, not counts: the name of a ``forward`` parameter holding ``B`` per-sample costs
             (``"lengths"``), a path into one (``"batch['lengths']"``; a ``PackedSequence`` there means its
@@ -91,8 +109,10 @@ class DataParallel(nn.Module):
           device the module is called directly and its output returned as is, also like torch.
         * Non-tensors under the default ``dim`` reach every replica by reference; under an explicit int spec they
           are an error. A ``PackedSequence`` under an int spec is split by sequence, in the caller's order, and
-          packed outputs are merged back by sequence. Dataclasses, namedtuples and dict subclasses keep their type
-          on the way in and out; a dataclass spec is a dict keyed by field names or an instance of that dataclass.
+          packed outputs are merged back by sequence; a jagged nested tensor is split along its batch axis 0.
+          Dataclasses (also dict hybrids such as HF's ModelOutput, by their fields), namedtuples, mappings, torch
+          pytree nodes and HF KV caches keep their type on the way in and out; a dataclass spec is a dict keyed by
+          field names or an instance of that dataclass. channels_last stays channels_last.
         * Non-tensor outputs under an int spec come back once when every replica returned an equal value,
           otherwise as a list with one value per replica.
         * Inputs must be on the CPU or on devices of device_ids' type; anything else is refused before copying.
@@ -110,7 +130,9 @@ class DataParallel(nn.Module):
         chunk_sizes: Sequence[float] | None = None,
         cost: str | Callable[..., Any] | None = None,
     ) -> None:
-        super().__init__()
+        # torch's __init__ resolves device_ids as CUDA indices (no "cpu" rehearsal) and moves the module: everything
+        # it sets is set here instead, so only Module's __init__ runs
+        nn.Module.__init__(self)
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         self.module = module
@@ -189,6 +211,8 @@ class DataParallel(nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if not self._devices:
             return self.module(*inputs, **kwargs)
+        if any(getattr(type(self), h) is not getattr(DataParallel, h) for h in _HOOKS):
+            return self._run_through_hooks(inputs, kwargs)
         return self._run(self._plan_call(inputs, kwargs))
 
     def _run(self, plan: CallPlan) -> Any:
@@ -210,6 +234,77 @@ class DataParallel(nn.Module):
         finally:
             done()
         return gather_outputs(outputs, self.out_dims, self.dim, self._output_device, chunk)
+
+    # -- torch.nn.DataParallel's hooks, with dpfast's semantics -----------------------------------------------------
+
+    def _run_through_hooks(self, inputs: tuple, kwargs: dict) -> Any:
+        """torch's forward: scatter -> replicate -> parallel_apply -> gather, for a subclass overriding any of them."""
+        self._replicas.check_module_device(self.module, self._devices[0])
+        args, kws = self.scatter(inputs, kwargs, self.device_ids)
+        if len(self._devices) == 1:
+            return self.module(*args[0], **kws[0])
+        devices = self._scattered(len(args))[1]
+        done = None
+        if type(self).replicate is DataParallel.replicate:  # not overridden: the persistent replicas
+            replicas, done = self._replicas.replicate(self.module, self._devices[0], devices)
+        else:
+            replicas = self.replicate(self.module, devices)
+        try:
+            outputs = self.parallel_apply(replicas, args, kws)
+        finally:
+            if done is not None:
+                done()
+        return self.gather(outputs, self.output_device)
+
+    def _scattered(self, n: int) -> tuple[list[int], list[torch.device]]:
+        """Sizes and devices of this thread's last scatter() of this instance if it made ``n`` chunks, else equal
+        shares on the first ``n`` devices (as torch assumes)."""
+        last = _scatter_records().get(self)
+        if last is not None and len(last[0]) == n:
+            return last
+        return [1] * n, self._devices[:n]
+
+    def scatter(self, inputs: tuple, kwargs: dict | None, device_ids: Sequence[DeviceLike]) -> tuple[tuple, tuple]:
+        """The call's ``(args per replica, kwargs per replica)``, split by ``in_dims`` over ``device_ids`` by the
+        plan a call makes (never dropping a sample; the same errors, before anything is copied)."""
+        devices = [_device(d, f"device_ids[{i}]") for i, d in enumerate(device_ids)]
+        weights = self._weights if devices == self._devices else None
+        plan = plan_call(
+            self._specs, inputs, kwargs or {}, len(devices), weights, devices=devices,
+            output_device=self._output_device,
+        )  # fmt: skip
+        if plan.mode == "split":
+            run = [d for _, d, _ in plan.replicas]
+            sizes = [s for _, _, s in plan.replicas]
+            parts = scatter_tree(plan.tree, plan.mapped, sizes, run)
+        else:
+            run, sizes, parts = devices[:1], [plan.batch_size or 0], [move_tree(plan.tree, devices[0])]
+        _scatter_records()[self] = (sizes, run)
+        return tuple(a for a, _ in parts), tuple(k for _, k in parts)
+
+    def replicate(self, module: nn.Module, device_ids: Sequence[DeviceLike]) -> list[nn.Module]:
+        """One module per device: ``module`` itself on its own device (so a rehearsal runs it once per replica),
+        and ``torch.nn.parallel.replicate``'s copies on other CUDA devices."""
+        devices = [_device(d, f"device_ids[{i}]") for i, d in enumerate(device_ids)]
+        source = next(iter(module.parameters()), None)
+        source = source.device if source is not None else (self._devices[0] if self._devices else devices[0])
+        others = list(dict.fromkeys(d for d in devices if d != source))
+        copies = dict(zip(others, replicate(module, others, not torch.is_grad_enabled()))) if others else {}
+        return [module if d == source else copies[d] for d in devices]
+
+    def parallel_apply(self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
+        """Run ``replicas[i](*inputs[i], **kwargs[i])`` concurrently on this wrapper's workers (each on the device
+        the last scatter() sent its chunk to), re-raising a failure with the replica and device named."""
+        n = len(replicas)
+        kwargs = tuple(kwargs) if kwargs else ({},) * n
+        args = [tuple(a) if isinstance(a, (list, tuple)) else (a,) for a in inputs]
+        return run_replicas(list(replicas), list(zip(args, kwargs)), self._scattered(n)[1], self._pool)
+
+    def gather(self, outputs: Sequence[Any], output_device: DeviceLike) -> Any:
+        """Combine the replicas' outputs as ``out_dims`` says onto ``output_device`` (-1: the CPU, as in torch);
+        ``"mean"`` weights each by its share of the last scatter()'s batch."""
+        device = torch.device("cpu") if output_device == -1 else _device(output_device, "output_device")
+        return gather_outputs(list(outputs), self.out_dims, self.dim, device, self._scattered(len(outputs))[0])
 
     def plan(self, *inputs: Any, **kwargs: Any) -> CallPlan:
         """What ``self(*inputs, **kwargs)`` would do, as a printable table; nothing is copied or run.

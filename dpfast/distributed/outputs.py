@@ -52,6 +52,11 @@ def _sort_leaves(out: Any, spec: Spec, dim: int, explicit: bool, active: bool, m
             got.desc.append((leaf.path, "keep", repr(s), v is None))
             got.slots.append(("keep",))
             continue
+        if s == "items":
+            raise TypeError(
+                f"output `{leaf.path}` has out_dims 'items', which gather_outputs cannot all-gather yet; give it "
+                "out_dims None to keep this rank's own items"
+            )
         if isinstance(s, str):
             if isinstance(v, Tensor):
                 t, num = v, None

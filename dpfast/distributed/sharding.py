@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from .._binding import ArgumentSpecs, ArgumentTree
 from .._costs import CostSpec
+from .._nested import scatter_jagged
 from .._planning import Mapped, plan_call
 from .._specs import Spec, validate_spec
 from .._splits import split_sizes, validate_chunk_sizes
@@ -61,6 +62,13 @@ def take_rows(
             ps = leaf.value
             parts = [n for n in (start, length, m.size - start - length) if n]
             values.append(scatter_packed(ps, parts, [ps.data.device] * len(parts))[1 if start else 0])
+        elif m.is_items:
+            values.append(value[start : start + length])
+        elif value.is_nested:  # jagged, split along axis 0 (the planning stage refuses the others)
+            if length == 0:
+                raise ValueError(f"`{leaf.path}` is a jagged nested tensor, which cannot hold zero samples")
+            parts = [n for n in (start, length, m.size - start - length) if n]
+            values.append(scatter_jagged(value, parts, [value.device] * len(parts))[1 if start else 0])
         else:
             v = value.narrow(m.axis, start, length)
             values.append(v if m.axis == 0 else v.contiguous())

@@ -377,3 +377,16 @@ class ReplicaCache:
 
 def _nothing() -> None:
     pass
+
+
+def replicate_once(module: nn.Module, source: torch.device, devices: Sequence[torch.device]) -> list[nn.Module]:
+    """One module per entry of ``devices``, as a call makes them (the module itself first on ``source``, a replica
+    with buffers of its own for every other entry), but built for this use only: for torch's overridable
+    ``DataParallel.replicate``, whose caller keeps the replicas as long as it likes."""
+    slot_of, replica_devices = _slots(source, devices)
+    if not replica_devices:
+        return [module] * len(devices)
+    _check_copyable(source, replica_devices)
+    rs = _ReplicaSet(module, source, replica_devices)
+    rs.refresh()
+    return [module if s is None else rs.roots[s] for s in slot_of]

@@ -16,14 +16,13 @@ from typing import Any, Callable, Union
 
 import torch
 from torch import nn
-from torch.nn.parallel.replicate import replicate
 
 from ._binding import ArgumentSpecs, forward_of
 from ._costs import CostSpec
 from ._execute import run_replicas
 from ._gather import gather_outputs
 from ._planning import CallPlan, passthrough_plan, plan_call
-from ._replicas import ReplicaCache
+from ._replicas import ReplicaCache, replicate_once
 from ._specs import Spec, validate_spec
 from ._splits import validate_chunk_sizes
 from ._transfer import move_tree, scatter_tree
@@ -283,14 +282,13 @@ class DataParallel(nn.DataParallel):
         return tuple(a for a, _ in parts), tuple(k for _, k in parts)
 
     def replicate(self, module: nn.Module, device_ids: Sequence[DeviceLike]) -> list[nn.Module]:
-        """One module per device: ``module`` itself on its own device (so a rehearsal runs it once per replica),
-        and ``torch.nn.parallel.replicate``'s copies on other CUDA devices."""
+        """One module per device, as a call makes them: ``module`` itself first on its own device, a replica with
+        buffers of its own for every other entry (sharing the parameters on the same device, a broadcast copy on
+        another CUDA device)."""
         devices = [_device(d, f"device_ids[{i}]") for i, d in enumerate(device_ids)]
         source = next(iter(module.parameters()), None)
         source = source.device if source is not None else (self._devices[0] if self._devices else devices[0])
-        others = list(dict.fromkeys(d for d in devices if d != source))
-        copies = dict(zip(others, replicate(module, others, not torch.is_grad_enabled()))) if others else {}
-        return [module if d == source else copies[d] for d in devices]
+        return replicate_once(module, source, devices)
 
     def parallel_apply(self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
         """Run ``replicas[i](*inputs[i], **kwargs[i])`` concurrently on this wrapper's workers (each on the device

@@ -57,7 +57,12 @@ def test_replicate_parallel_apply_gather_compose_like_torch():
     x, y = torch.randn(7, 4, dtype=DT), torch.randn(7, 2, dtype=DT)
     args, kwargs = dp.scatter((x, y), {}, dp.device_ids)
     replicas = dp.replicate(dp.module, dp.device_ids[: len(args)])
-    assert len(replicas) == 3 and all(r is m for r in replicas)  # on the module's own device: the module itself
+    # the module itself first, then replicas of their own (sharing its parameters), as a call makes them
+    assert (
+        len(replicas) == 3
+        and replicas[0] is m
+        and all(r is not m and r.lin.weight is m.lin.weight for r in replicas[1:])
+    )
     outputs = dp.parallel_apply(replicas, args, kwargs)
     loss, total, pred = dp.gather(outputs, dp.output_device)
     ref_loss, ref_total, ref_pred = m(x, y)

@@ -76,7 +76,10 @@ def _scatter_records() -> weakref.WeakKeyDictionary:
 
 
 class DataParallel(nn.DataParallel):
-    """Split each call's batch over ``device_ids``, run a replica of ``module`` per chunk concurrently, and gather.
+    """Split each call's batch over ``device_ids``, run a replica of ``module`` per chunk, and gather.
+
+    Replicas on different devices run concurrently; replicas sharing a device (a rehearsal: ``["cpu"] * 4``,
+    ``[0, 0]``) run in turn and have buffers and attributes of their own, as separate devices would.
 
     Args:
         module: the module to run; its parameters and buffers must be on ``device_ids[0]``.

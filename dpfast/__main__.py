@@ -322,12 +322,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    # `bench` forwards what it does not know (including --help after `ops`/`dp`) to the scripts
-    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in ("all", "ops", "dp"):
-        return bench(argv[1], argv[2:])
+    # `bench` forwards everything after it (and after `ops`/`dp`/`all`) to the scripts, `--out DIR` included:
+    # argparse would take DIR for the benchmark's name. Only a bare `bench --help` is the CLI's own.
+    if argv[:1] == ["bench"] and argv[1:2] not in (["-h"], ["--help"]):
+        rest = argv[1:]
+        which = rest.pop(0) if rest[:1] and rest[0] in ("all", "ops", "dp") else "all"
+        return bench(which, rest)
     args, extra = parser.parse_known_args(argv)
-    if args.command == "bench":
-        return bench(args.which, extra)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "info":

@@ -327,3 +327,13 @@ def test_cli_bench_finds_its_scripts():
         )
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "--quick" in proc.stdout and "not found" not in proc.stderr
+
+
+def test_cli_bench_forwards_options_with_values_without_a_benchmark_name(tmp_path, monkeypatch, capsys):
+    import dpfast.__main__ as cli
+
+    for name in ("bench_ops.py", "bench_dp.py"):
+        (tmp_path / name).write_text("def main(argv=None):\n    print('got', argv)\n    return 0\n")
+    monkeypatch.setattr(cli, "BENCHMARKS_DIR", tmp_path)
+    assert cli.main(["bench", "--quick", "--out", str(tmp_path / "results")]) == 0
+    assert capsys.readouterr().out.count(f"got ['--quick', '--out', '{tmp_path / 'results'}']") == 2

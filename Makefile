@@ -7,15 +7,15 @@ export TORCH_CUDA_ARCH_LIST ?= 9.0
 export DPFAST_CUDA ?= auto
 PYTEST_ARGS ?=
 
-.PHONY: all venv build test lint sanitize demo bench info clean
+.PHONY: all venv build test lint sanitize demo bench info dist clean
 
 all: test
 
 # The venv is (re)made when missing or when the dependency list changes.
 $(VENV)/.deps: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q "torch>=2.4" ninja pytest hypothesis expecttest numpy matplotlib ruff transformers accelerate torchvision
+	$(PY) -m pip install -q --upgrade pip "setuptools>=77" wheel
+	$(PY) -m pip install -q "torch>=2.4" ninja build pytest hypothesis expecttest numpy matplotlib ruff transformers accelerate torchvision
 	touch $@
 
 venv: $(VENV)/.deps
@@ -44,6 +44,14 @@ bench: build
 	$(PY) -m dpfast bench
 
 info: build
+
+# dist/: the sdist, then the wheel built from the sdist alone, against .venv's torch (the wheel requires that torch
+# release line). A wheel to hand out covers every architecture torch was built for, unless DIST_CUDA_ARCH_LIST says.
+DIST_CUDA_ARCH_LIST ?=
+dist: export TORCH_CUDA_ARCH_LIST = $(DIST_CUDA_ARCH_LIST)
+dist: venv
+	rm -rf dist
+	$(PY) -m build --no-isolation --outdir dist .
 
 clean:
 	rm -rf build dist *.egg-info dpfast/_C*.so benchmarks/results .pytest_cache

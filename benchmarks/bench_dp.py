@@ -42,7 +42,8 @@ from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
+if os.path.isfile(os.path.join(ROOT, "setup.py")):  # a checkout: its own dpfast
+    sys.path.insert(0, ROOT)
 
 import dpfast  # noqa: E402
 
@@ -52,8 +53,11 @@ from dp_balance import PACKED_HIDDEN, PACKED_IN, planning_time, plot_balance, pr
 from dp_replicas import print_replicas, run_replicas  # noqa: E402
 
 try:
-    from examples.rrn import IN_DIMS, OUT_DIMS, RRN  # the seed's model, unchanged
-except ImportError:  # pragma: no cover - an installed package without the examples: an equivalent small model
+    from dpfast.__main__ import load_example  # the checkout's examples/, or the installed dpfast.examples
+
+    _rrn = load_example("rrn")
+    IN_DIMS, OUT_DIMS, RRN = _rrn.IN_DIMS, _rrn.OUT_DIMS, _rrn.RRN  # the seed's model, unchanged
+except (ImportError, FileNotFoundError):  # pragma: no cover - no examples: an equivalent small model
     IN_DIMS, OUT_DIMS = {"h": 1}, (0, 0, 1)
 
     class RRN(nn.Module):  # type: ignore[no-redef]

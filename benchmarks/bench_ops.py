@@ -21,7 +21,8 @@ from typing import Callable
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+if os.path.isfile(os.path.join(os.path.dirname(HERE), "setup.py")):  # a checkout: its own dpfast
+    sys.path.insert(0, os.path.dirname(HERE))
 
 import dpfast  # noqa: E402
 from dpfast import ops  # noqa: E402

@@ -9,6 +9,8 @@
 #include <c10/util/Exception.h>
 #include <c10/util/safe_numerics.h>
 
+#include "overflow.h"
+
 #include <cctype>
 #include <string>
 #include <vector>
@@ -95,7 +97,7 @@ inline void check_split(const char* op, at::TensorList xs, int64_t dim, c10::Sym
     sizes.push_back(s);
   }
   for (size_t j = 0; j < sizes.size(); ++j) {
-    TORCH_CHECK_VALUE(!c10::add_overflows(total, sizes[j], &total), op, ": sizes ", list_str(sizes),
+    TORCH_CHECK_VALUE(!dpfast::add_overflows(total, sizes[j], &total), op, ": sizes ", list_str(sizes),
                       " sum past 2**63 - 1; the sizes must sum to the size of dim ", dim);
   }
   for (size_t i = 0; i < xs.size(); ++i) {

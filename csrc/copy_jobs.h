@@ -58,6 +58,8 @@ DPFAST_HD void job_offsets(const CopyJob& job, int64_t u, int64_t& src_off, int6
 #include <c10/util/Exception.h>
 #include <c10/util/safe_numerics.h>
 
+#include "overflow.h"
+
 #include <utility>
 #include <vector>
 
@@ -82,7 +84,7 @@ struct CopyBatch {
     bool overflow = false;
     for (int64_t s : shape) overflow |= c10::mul_overflows(n, s, &n);
     int64_t n_bytes = 0;
-    overflow |= c10::mul_overflows(n, es, &n_bytes) || c10::add_overflows(bytes, n_bytes, &bytes);
+    overflow |= c10::mul_overflows(n, es, &n_bytes) || dpfast::add_overflows(bytes, n_bytes, &bytes);
     TORCH_CHECK(!overflow, "dpfast: a copy of ", shape.size(), "-dim shape overflows a 64-bit byte count");
 
     // Dims of size 1 carry no information; then merge each dim into its inner neighbour when both sides

@@ -26,7 +26,7 @@ inline int64_t gather_check(at::TensorList chunks, int64_t dim, std::vector<int6
                       dtype_str(c.scalar_type()), " but chunks[0] has ", shape_str(ref.sizes()), " and ",
                       dtype_str(ref.scalar_type()),
                       "; chunks must agree in dtype and in every dim except ", dim);
-    TORCH_CHECK_VALUE(!c10::add_overflows(out_shape[d], c.size(d), &out_shape[d]), op,
+    TORCH_CHECK_VALUE(!dpfast::add_overflows(out_shape[d], c.size(d), &out_shape[d]), op,
                       ": the chunks' sizes along dim ", dim, " sum past 2**63 - 1");
   }
   checked_nbytes(op, "the output", out_shape, static_cast<int64_t>(ref.element_size()));

@@ -7,6 +7,8 @@ never drops a sample, and explains bad inputs. ``dpfast.ops`` holds the fused C+
 
 from __future__ import annotations
 
+__version__ = "0.1.0"  # the one place the version is set (pyproject.toml reads it)
+
 import importlib
 from typing import Any
 

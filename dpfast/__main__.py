@@ -9,7 +9,8 @@
 * ``bench`` — runs ``benchmarks/bench_ops.py`` and ``benchmarks/bench_dp.py`` (``bench ops ...`` / ``bench dp ...``
   for one of them); further arguments are passed to each script's ``main(argv)``.
 
-The examples and benchmarks live in the source tree next to the package (a ``pip install -e .`` checkout).
+The examples and benchmarks are the files in a checkout's ``examples/`` and ``benchmarks/`` (when dpfast is imported
+from a checkout), else the installed package's copies, ``dpfast.examples`` and ``dpfast.benchmarks``.
 """
 
 from __future__ import annotations
@@ -26,9 +27,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
-SOURCE_ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES_DIR = SOURCE_ROOT / "examples"
-BENCHMARKS_DIR = SOURCE_ROOT / "benchmarks"
+from ._extension import _IN_CHECKOUT, _rebuild_command
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+SOURCE_ROOT = PACKAGE_DIR.parent
+# A checkout's own files, even where another dpfast (an editable install elsewhere) is also importable
+EXAMPLES_DIR = SOURCE_ROOT / "examples" if _IN_CHECKOUT else PACKAGE_DIR / "examples"
+BENCHMARKS_DIR = SOURCE_ROOT / "benchmarks" if _IN_CHECKOUT else PACKAGE_DIR / "benchmarks"
 
 # (module in examples/, what it shows)
 EXAMPLES = [
@@ -40,20 +45,20 @@ BENCHMARKS = [("ops", "bench_ops.py"), ("dp", "bench_dp.py")]
 _OPS = ["transpose01", "split_contiguous", "scatter", "gather"]
 _KEYS = ["CPU", "CUDA", "Autograd", "Meta"]
 
-_EXAMPLES_PACKAGE = "dpfast_examples"  # a private name, so a stray top-level `examples` package cannot shadow ours
+_EXAMPLES_PACKAGE = "dpfast.examples"
 
 
-# ---- loading files from the source tree -----------------------------------------------------------------------------
+# ---- loading the examples and benchmarks ----------------------------------------------------------------------------
 
 
 def load_example(name: str) -> ModuleType:
-    """Import ``examples/<name>.py`` (as ``dpfast_examples.<name>``, so the examples' relative imports work)."""
+    """Import ``<EXAMPLES_DIR>/<name>.py`` as ``dpfast.examples.<name>`` (so the examples' relative imports work)."""
     if not (EXAMPLES_DIR / f"{name}.py").is_file():
         raise FileNotFoundError(
-            f"{EXAMPLES_DIR / (name + '.py')} not found: the examples live in dpfast's source tree; run from a git "
-            "checkout installed with `pip install --no-build-isolation -e .` (or `make demo`)"
+            f"{EXAMPLES_DIR / (name + '.py')} not found: dpfast's examples ship in its source tree and, as "
+            "dpfast.examples, in its wheel; reinstall dpfast (pip install --no-build-isolation .)"
         )
-    if _EXAMPLES_PACKAGE not in sys.modules:
+    if _EXAMPLES_PACKAGE not in sys.modules:  # bound to EXAMPLES_DIR, whatever else sys.path could find
         spec = importlib.util.spec_from_file_location(
             _EXAMPLES_PACKAGE, EXAMPLES_DIR / "__init__.py", submodule_search_locations=[str(EXAMPLES_DIR)]
         )
@@ -153,7 +158,7 @@ def info(as_json: bool = False) -> int:
     if not facts["extension_loaded"]:
         print(f"  why not            {facts.get('extension_error')}")
         print("  effect             dpfast.ops falls back to dpfast.reference (plain PyTorch: same results, slower)")
-        print("  to fix             pip install --no-build-isolation -e .   (or: make build)")
+        print(f"  to fix             {_rebuild_command()}")
     else:
         built = facts.get("built_with_torch")
         print(
@@ -169,6 +174,9 @@ def info(as_json: bool = False) -> int:
             + (f" for arch {arch_list}" if facts["cuda_kernels_compiled"] and arch_list else "")
         )
         print(f"  build decision     {facts.get('build_reason') or 'not recorded'}")
+        if facts.get("debug_build") is not None:
+            debug = "yes" if facts["debug_build"] else "no (a release build; DPFAST_DEBUG=1 keeps it)"
+            print(f"  debug info         {debug}")
         print("  kernels registered " + _registered_kernels(torch))
     print(f"  ops backend        {facts['ops_backend']}")
     if os.environ.get("DPFAST_REQUIRE_EXTENSION", "0") not in ("", "0"):
@@ -232,25 +240,22 @@ def bench(which: str = "all", argv: Sequence[str] = ()) -> int:
     for key, filename in chosen:
         path = BENCHMARKS_DIR / filename
         if not path.is_file():
-            where = (
-                ""
-                if (SOURCE_ROOT / "setup.py").is_file()
-                else "; the benchmarks live in dpfast's source tree, so run from a git checkout installed with "
-                "`pip install -e .`"
-            )
-            print(f"dpfast bench: {path} not found, skipping benchmarks/{filename}{where}", file=sys.stderr)
+            print(f"dpfast bench: {path} not found, skipping benchmarks/{filename}", file=sys.stderr)
             code = code or 1
             continue
-        print(f"== benchmarks/{filename} {' '.join(argv)}".rstrip(), flush=True)
+        script_argv = list(argv)
+        if path.parent == PACKAGE_DIR / "benchmarks" and "--out" not in script_argv:  # not into site-packages
+            script_argv += ["--out", str(Path.cwd() / "dpfast-bench-results")]
+        print(f"== benchmarks/{filename} {' '.join(script_argv)}".rstrip(), flush=True)
         module = _load_file(path, f"dpfast_benchmarks_{key}")
         if not callable(getattr(module, "main", None)):
             print(f"dpfast bench: {path} has no main(argv=None) function", file=sys.stderr)
             code = code or 1
             continue
         saved_argv = sys.argv
-        sys.argv = [str(path)] + list(argv)  # so the script's argparse names itself in --help and errors
+        sys.argv = [str(path)] + script_argv  # so the script's argparse names itself in --help and errors
         try:
-            result = _exit_code(module.main(list(argv)))
+            result = _exit_code(module.main(script_argv))
         except SystemExit as exc:
             result = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         finally:
@@ -317,12 +322,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    # `bench` forwards what it does not know (including --help after `ops`/`dp`) to the scripts
-    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in ("all", "ops", "dp"):
-        return bench(argv[1], argv[2:])
+    # `bench` forwards everything after it (and after `ops`/`dp`/`all`) to the scripts, `--out DIR` included:
+    # argparse would take DIR for the benchmark's name. Only a bare `bench --help` is the CLI's own.
+    if argv[:1] == ["bench"] and argv[1:2] not in (["-h"], ["--help"]):
+        rest = argv[1:]
+        which = rest.pop(0) if rest[:1] and rest[0] in ("all", "ops", "dp") else "all"
+        return bench(which, rest)
     args, extra = parser.parse_known_args(argv)
-    if args.command == "bench":
-        return bench(args.which, extra)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "info":

@@ -59,7 +59,10 @@ class _State:
 def _saved_tensors_hooks() -> tuple[Callable, Callable] | None:
     """The innermost ``(pack, unpack)`` saved-tensor hooks of this thread (the only ones that apply), or None."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if top is None:  # pragma: no cover - torch without the query: the replicas run without the caller's hooks
+    if top is None:  # torch < 2.8 cannot say which hooks are set: the replicas run without them, with a warning
+        from ._compat import warn_if_saved_tensors_hooks_set
+
+        warn_if_saved_tensors_hooks_set()
         return None
     return top(False)
 

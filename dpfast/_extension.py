@@ -2,48 +2,111 @@
 
 Without it ``import dpfast`` still works: the ops fall back to :mod:`dpfast.reference` and a warning is issued
 once. ``DPFAST_REQUIRE_EXTENSION=1`` (set in CI) turns a missing extension into an ImportError.
+
+An extension is tied to the torch release it was compiled against. setup.py records that torch beside it
+(``_build.json``); one built for another torch is not loaded at all (it may not even link, or crash later), and
+the message names both versions and the command that rebuilds it.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import warnings
 from types import ModuleType
 
 import torch
 
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_CHECKOUT = os.path.dirname(_HERE)
+_IN_CHECKOUT = os.path.isfile(os.path.join(_CHECKOUT, "setup.py"))
+
+
+def _rebuild_command() -> str:
+    if _IN_CHECKOUT:
+        return f"`pip install --no-build-isolation -e {_CHECKOUT}` (or `make build` there)"
+    return (
+        "`pip install --no-build-isolation --no-deps --force-reinstall <dpfast checkout or sdist>` "
+        "(or `pip install --no-build-isolation --no-deps --force-reinstall --no-binary dpfast dpfast`)"
+    )
+
+
 _BUILD_HINT = (
-    "build it with `pip install --no-build-isolation -e .` in the repository (or `make build`); "
+    f"build it with {_rebuild_command()}; "
     "CUDA kernels are compiled when DPFAST_CUDA=1, or DPFAST_CUDA=auto and nvcc is found"
 )
 
-C: ModuleType | None = None
-LOAD_ERROR: str | None = None
 
-try:
-    C = importlib.import_module("dpfast._C")  # registers torch.ops.dpfast.* as a side effect
-except ImportError as exc:  # also covers an ABI mismatch with the installed torch
-    LOAD_ERROR = f"{type(exc).__name__}: {exc}"
+def _read_record() -> dict | None:
+    """What setup.py wrote beside the extension: the torch it was built against, CUDA, arch list, the reason."""
+    try:
+        with open(os.path.join(_HERE, "_build.json")) as f:
+            record = json.load(f)
+        return record if isinstance(record, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _release(version: str | None) -> tuple[str, ...]:
+    return tuple(version.split("+")[0].split(".")[:2]) if version else ()
+
+
+def torch_mismatch(record: dict | None, torch_version: str, torch_cuda: str | None) -> str | None:
+    """Why an extension with this build record cannot run on this torch, or None when it can: another torch
+    release line (the C++ ABI differs), or CUDA kernels where this torch has no (or another major) CUDA."""
+    built = (record or {}).get("torch")
+    if not built:
+        return None
+    if _release(built) != _release(torch_version):
+        return f"was built against torch {built}, but this is torch {torch_version}"
+    built_cuda = record.get("torch_cuda")
+    if record.get("cuda_kernels") and (torch_cuda or "").split(".")[0] != (built_cuda or "").split(".")[0]:
+        has = f"built for CUDA {torch_cuda}" if torch_cuda else "a CPU-only build"
+        return f"has CUDA kernels built against torch {built} (CUDA {built_cuda}); this torch {torch_version} is {has}"
+    return None
+
+
+def _fail(reason: str, exc: BaseException | None = None) -> None:
+    """A missing or unusable extension: an error under DPFAST_REQUIRE_EXTENSION, else a warning and the fallback."""
     if os.environ.get("DPFAST_REQUIRE_EXTENSION", "0") not in ("", "0"):
         raise ImportError(
-            f"dpfast: the compiled extension dpfast._C could not be loaded ({LOAD_ERROR}) and "
-            f"DPFAST_REQUIRE_EXTENSION is set; {_BUILD_HINT}"
+            f"dpfast: the compiled extension dpfast._C could not be loaded ({reason}) and DPFAST_REQUIRE_EXTENSION "
+            f"is set; {_BUILD_HINT}"
         ) from exc
     warnings.warn(
-        f"dpfast: compiled extension not loaded ({LOAD_ERROR}); dpfast.ops falls back to the plain-PyTorch "
+        f"dpfast: compiled extension not loaded ({reason}); dpfast.ops falls back to the plain-PyTorch "
         f"dpfast.reference (correct, slower). To fix: {_BUILD_HINT}",
         RuntimeWarning,
-        stacklevel=2,
+        stacklevel=3,
     )
+
+
+C: ModuleType | None = None
+LOAD_ERROR: str | None = None
+RECORD: dict | None = _read_record()
+
+_mismatch = torch_mismatch(RECORD, torch.__version__, torch.version.cuda)
+if _mismatch is not None:
+    LOAD_ERROR = f"dpfast._C {_mismatch}"
+    _fail(LOAD_ERROR)
+else:
+    try:
+        C = importlib.import_module("dpfast._C")  # registers torch.ops.dpfast.* as a side effect
+    except ImportError as exc:  # also covers an ABI mismatch with the installed torch
+        LOAD_ERROR = f"{type(exc).__name__}: {exc}"
+        _fail(LOAD_ERROR, exc)
 
 LOADED: bool = C is not None
 
 
 def build_info() -> dict:
     """Facts about this build: versions, whether the extension loaded, and which kernels were compiled."""
+    from . import __version__
+
+    record = RECORD or {}
     info: dict = {
-        "dpfast_version": _version(),
+        "dpfast_version": __version__,
         "torch_version": torch.__version__,
         "torch_cuda_version": torch.version.cuda,
         "cuda_available": torch.cuda.is_available(),
@@ -52,26 +115,9 @@ def build_info() -> dict:
         "extension_error": LOAD_ERROR,
         "cuda_kernels_compiled": bool(getattr(C, "cuda_kernels_compiled", False)),
         "cuda_arch_list": getattr(C, "cuda_arch_list", None) or None,
-        "built_with_torch": getattr(C, "built_with_torch", None),
-        "build_reason": _build_reason() if LOADED else None,
+        "built_with_torch": getattr(C, "built_with_torch", None) or record.get("torch"),
+        "build_reason": record.get("reason"),
+        "debug_build": record.get("debug"),
         "ops_backend": "torch.ops.dpfast (C++)" if LOADED else "dpfast.reference (plain PyTorch fallback)",
     }
     return info
-
-
-def _build_reason() -> str | None:
-    """Why CUDA kernels were (not) built, as setup.py wrote it beside the extension."""
-    try:
-        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_build_reason.txt")) as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("dpfast")
-    except Exception:  # running from a source tree that was never installed
-        return "unknown"

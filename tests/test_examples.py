@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import dpfast
 from dpfast.__main__ import load_example
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(dpfast.__file__).resolve().parent.parent  # the folder holding the dpfast under test
 DT = torch.float64
 
 rrn = load_example("rrn")

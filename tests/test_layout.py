@@ -13,6 +13,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "dpfast"
 # The stages of a call, in order: a module may import only modules listed before it.
 PIPELINE = [
     "_extension",
+    "_compat",
     "_op_checks",
     "reference",
     "ops",

@@ -263,7 +263,10 @@ def test_tied_parameters_and_frozen_ones(copies):
 
 
 def test_seed_rrn_lstm_through_persistent_copies(copies):
-    from examples.rrn import IN_DIMS, OUT_DIMS, Config, build_model
+    from dpfast.__main__ import load_example  # the checkout's examples/, or the installed dpfast.examples
+
+    rrn = load_example("rrn")
+    IN_DIMS, OUT_DIMS, Config, build_model = rrn.IN_DIMS, rrn.OUT_DIMS, rrn.Config, rrn.build_model
 
     cfg = Config()
     torch.manual_seed(0)

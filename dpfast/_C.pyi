@@ -1,0 +1,30 @@
+"""Types of the compiled extension ``dpfast._C`` (csrc/dpfast.cpp, csrc/python_calls.cpp).
+
+Importing it registers the ops as ``torch.ops.dpfast.*``. The underscored functions are the direct entry points
+behind :mod:`dpfast.ops`: they take plain tensors and arguments and return ``NotImplemented`` for anything else
+(a tensor subclass, an active ``__torch_function__`` mode), which dpfast.ops then sends through ``torch.ops``.
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+cuda_kernels_compiled: int  # 1 when the CUDA kernels were compiled in
+cuda_arch_list: str  # their TORCH_CUDA_ARCH_LIST ("" in a CPU-only build)
+built_with_torch: str  # the torch release it was compiled against, "2.14.1"
+
+# Any: the result, or NotImplemented
+def _transpose01(*tensors: Tensor) -> Any: ...
+def _split_contiguous(tensors: Sequence[Tensor], dim: int, sizes: Sequence[int]) -> Any: ...
+def _scatter(tensors: Sequence[Tensor], dim: int, sizes: Sequence[int], devices: Sequence[torch.device]) -> Any: ...
+def _gather(chunks: Sequence[Tensor], dim: int, device: torch.device) -> Any: ...
+
+# Test-only hooks into the C++ decisions (csrc/python_hooks.cpp): tests/test_cuda_replay.py calls them on the host.
+def _side_stream_devices(devices: Sequence[torch.device], source: torch.device, current_index: int) -> list: ...
+def _node_streams(input_devices: Sequence[torch.device], touched: Sequence[torch.device]) -> tuple: ...
+def _job_offsets(
+    sizes: Sequence[int], src_strides: Sequence[int], dst_strides: Sequence[int], units: Sequence[int]
+) -> list: ...
+def _replay_cuda_copy(srcs: Sequence[Tensor], dsts: Sequence[Tensor], blocks: int, threads: int) -> tuple: ...

@@ -116,9 +116,16 @@ _HOOK_DICTS = (
 )
 
 
-def _same(now: dict, snap: dict) -> bool:
-    """``now`` holds exactly ``snap``'s keys, each bound to the very same object (C-speed identity checks)."""
-    return len(now) == len(snap) and all(map(operator.is_, now.values(), snap.values())) and now.keys() == snap.keys()
+def _snap(d: dict) -> tuple[tuple, tuple]:
+    """A dict's keys and values, as they are now (shallow)."""
+    return tuple(d), tuple(d.values())
+
+
+def _same(now: dict, snap: tuple[tuple, tuple]) -> bool:
+    """``now`` holds exactly ``snap``'s keys, in order, each bound to the very same object (C-speed identity
+    checks; a key re-inserted as an equal but other string reads as a change, which only costs a rebuild)."""
+    keys, values = snap
+    return len(now) == len(keys) and all(map(operator.is_, now, keys)) and all(map(operator.is_, now.values(), values))
 
 
 def _fresh(t: torch.Tensor, detach: bool) -> torch.Tensor:
@@ -168,7 +175,9 @@ class _ReplicaSet:
                 self.group.append(self.copy_devices.index(d))
         modules = list(root.modules())
         self.modules = modules
-        self.snapshots = [(m.__dict__.copy(), dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in modules]
+        self.snapshots = [
+            (_snap(m.__dict__), _snap(m._parameters), _snap(m._buffers), _snap(m._modules)) for m in modules
+        ]
         index = {id(m): i for i, m in enumerate(modules)}
         copies = [[m._replicate_for_data_parallel() for m in modules] for _ in self.devices]
         params = list(root.parameters())  # deduplicated: a tied parameter is broadcast once, as in torch
@@ -316,7 +325,7 @@ class ReplicaCache:
         if tree is not None and tree[0] is root and all(map(_same, [m._modules for m in tree[1]], tree[2])):
             return tree[1]
         modules = list(root.modules())
-        self._tree = (root, modules, [dict(m._modules) for m in modules])
+        self._tree = (root, modules, [_snap(m._modules) for m in modules])
         return modules
 
     def check_module_device(self, root: nn.Module, source: torch.device) -> None:

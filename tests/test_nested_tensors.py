@@ -40,6 +40,19 @@ class Pooled(nn.Module):
         return self.lin(pooled), nt * 2
 
 
+def _torch_differentiates_jagged_unbind() -> bool:
+    """torch 2.4's backward of unbind() on a jagged nested tensor fails even without dpfast (fixed by 2.14)."""
+    parts, nt = _jagged(requires_grad=True)
+    try:
+        torch.stack([t.sum(0) for t in nt.unbind()]).sum().backward()
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(
+    not _torch_differentiates_jagged_unbind(), reason=f"torch {torch.__version__} cannot differentiate jagged unbind()"
+)
 def test_jagged_batch_is_split_along_its_batch_axis_and_gathered_back():
     parts, nt = _jagged(requires_grad=True)
     m = Pooled()

@@ -1,4 +1,5 @@
-"""Parameters broadcast to the replicas on other GPUs, connected by autograd, with no copy for the source.
+"""Parameters and buffers copied to the replicas: broadcast to other GPUs, connected by autograd, with no copy for
+the source (and, for the replicas on the source device, the buffers each replica owns).
 
 ``torch.nn.parallel._functions.Broadcast`` returns a copy for every device it is given, the source included, and its
 backward sums one gradient per device onto the source. Here the replica on the source device is the module itself,
@@ -82,3 +83,54 @@ def broadcast_to_others(
     flat = (flat,) if isinstance(flat, torch.Tensor) else flat
     n = len(tensors)
     return [list(flat[j * n : (j + 1) * n]) for j in range(len(targets))]
+
+
+def broadcast(
+    tensors: Sequence[torch.Tensor], source: torch.device, targets: Sequence[torch.device], detach: bool
+) -> list[list[torch.Tensor]]:
+    """A copy of every tensor per target device, ``[target][tensor]``; autograd-connected unless ``detach``."""
+    if not targets:
+        return []
+    if not tensors:
+        return [[] for _ in targets]
+    if all(d.type == "cuda" for d in targets) and source.type == "cuda":
+        if not detach and source not in targets:  # no copy for the source, so no zero gradient for it either
+            return broadcast_to_others(tensors, source, targets)
+        from torch.nn.parallel.replicate import _broadcast_coalesced_reshape
+
+        # the source must come first; its own copies are dropped
+        return _broadcast_coalesced_reshape(list(tensors), [source] + list(targets), detach=detach)[1:]
+    # test switch on the CPU: clones, connected by autograd (a clone's gradient flows back to its input)
+    out = []
+    for _ in targets:
+        if detach:
+            out.append([t.detach().clone() for t in tensors])
+        else:
+            out.append([t.clone() for t in tensors])
+    return out
+
+
+def fresh(t: torch.Tensor, detach: bool) -> torch.Tensor:
+    """A replica's own copy of a buffer: autograd-connected when it requires grad, as torch broadcasts it."""
+    return t.detach().clone() if detach or not t.requires_grad else t.clone()
+
+
+def buffer_copies(
+    buffers: Sequence[torch.Tensor], source: torch.device, devices: Sequence[torch.device], detach: bool
+) -> list[list[torch.Tensor]]:
+    """Per device, a copy of every buffer: broadcast with autograd for those that require grad, detached else."""
+    rg = [k for k, b in enumerate(buffers) if b.requires_grad and not detach]
+    if not rg:
+        return broadcast(buffers, source, devices, True)
+    nrg = [k for k in range(len(buffers)) if k not in set(rg)]
+    c_rg = broadcast([buffers[k] for k in rg], source, devices, False)
+    c_nrg = broadcast([buffers[k] for k in nrg], source, devices, True)
+    rows = []
+    for row_rg, row_nrg in zip(c_rg, c_nrg):
+        row: list = [None] * len(buffers)
+        for k, t in zip(rg, row_rg):
+            row[k] = t
+        for k, t in zip(nrg, row_nrg):
+            row[k] = t
+        rows.append(row)
+    return rows

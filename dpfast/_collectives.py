@@ -11,6 +11,7 @@ summed gradient). Every replica adds in the same order, so all replicas get bit-
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -67,10 +68,11 @@ def all_gather(t: Tensor, dim: int = 0) -> Tensor:
         call, i = ctx
         if call.n == 1:
             return t
-        coll = call.enter(i, ("all_gather", dim), t)
+        coll = call.enter(i, ("all_gather", dim), _deposit(t))
         return ops.gather([coll.values[j] for j in range(call.n)], dim, t.device)
     if _in_process_group():
         return _DistAllGather.apply(t, dim)
+    _warn_if_recomputing("all_gather")
     return t
 
 
@@ -85,11 +87,40 @@ def all_reduce(t: Tensor, op: str = "sum") -> Tensor:
         call, i = ctx
         if call.n == 1:
             return t
-        coll = call.enter(i, ("all_reduce", op), t)
+        coll = call.enter(i, ("all_reduce", op), _deposit(t))
         return _combine([coll.values[j].to(t.device) for j in range(call.n)], op)
     if _in_process_group():
         return _DistAllReduce.apply(t, op)
+    _warn_if_recomputing("all_reduce")
     return t
+
+
+def _deposit(t: Tensor) -> Tensor:
+    """What a replica hands to the others: a copy (differentiable), so that changing ``t`` in place once it has its
+    turn back cannot change what replicas that read later receive (real devices hand finished copies too)."""
+    return t.clone()
+
+
+_warned_recompute = False
+
+
+def _warn_if_recomputing(name: str) -> None:
+    """A collective called in backward, outside any call and process group, is most likely a
+    torch.utils.checkpoint recomputation of a region that ran inside a DataParallel call: there it is the identity,
+    which is wrong. Say so, once."""
+    global _warned_recompute
+    graph_task = getattr(torch._C, "_current_graph_task_id", None)
+    if _warned_recompute or graph_task is None or graph_task() == -1:
+        return
+    _warned_recompute = True
+    warnings.warn(
+        f"dpfast.{name} was called during backward outside a DataParallel call, where it is the identity: if this "
+        "is a torch.utils.checkpoint recomputation of a region that ran under DataParallel with several replicas, "
+        "its result differs from the forward's. Collectives inside checkpointed regions are not supported: "
+        "checkpoint the parts between collectives instead (said once)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def _combine(values: Sequence[Tensor], op: str) -> Tensor:

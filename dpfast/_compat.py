@@ -13,20 +13,19 @@ import torch
 SAVED_TENSORS_HOOKS_TORCH = "2.8"  # the first torch with torch._C._autograd._top_saved_tensors_default_hooks
 
 
-def warn_if_saved_tensors_hooks_set() -> None:
-    """On a torch that cannot return this thread's saved-tensor hooks (so the replicas' worker threads cannot
-    re-enter them), warn when some are set: ``save_on_cpu()`` around the call then covers only the replicas that
-    run in the calling thread (the first device's, while no collective makes them take turns on threads)."""
-    if torch.is_grad_enabled() and saved_tensors_hooks_set():
-        warnings.warn(
-            "dpfast: saved-tensor hooks (torch.autograd.graph.save_on_cpu() or saved_tensors_hooks) are set "
-            f"around this multi-replica call, but torch {torch.__version__} cannot read them for the replicas' "
-            f"worker threads, so they apply only to the replicas in the calling thread. Passing them on needs torch >= "
-            f"{SAVED_TENSORS_HOOKS_TORCH}; with this torch, enter them inside the module's forward instead (each "
-            "replica then sets its own).",
-            RuntimeWarning,
-            stacklevel=5,
-        )
+def warn_saved_tensors_hooks_unreadable() -> None:
+    """On a torch that cannot return a thread's saved-tensor hooks, a worker thread runs a replica without the
+    hooks set around the call: say so (``save_on_cpu()`` around the call then covers only the replicas that run in
+    the calling thread, the first device's while no collective makes them take turns on threads)."""
+    warnings.warn(
+        "dpfast: saved-tensor hooks (torch.autograd.graph.save_on_cpu() or saved_tensors_hooks) are set around "
+        f"this multi-replica call, but torch {torch.__version__} cannot read them for the replicas' worker "
+        "threads, so they apply only to the replicas in the calling thread. Passing them on needs torch >= "
+        f"{SAVED_TENSORS_HOOKS_TORCH}; with this torch, enter them inside the module's forward instead (each "
+        "replica then sets its own).",
+        RuntimeWarning,
+        stacklevel=5,
+    )
 
 
 def saved_tensors_hooks_set() -> bool:

@@ -36,7 +36,7 @@ class _State:
             st = _autocast_state(dtype)
             if st is not None:
                 self.autocast[dtype] = st
-        self.saved_tensors_hooks = _saved_tensors_hooks()
+        self.saved_tensors_hooks, self.hooks_unreadable = _saved_tensors_hooks()
         self.streams: dict[torch.device, Any] = {}
         for d in devices:
             if d.type == "cuda" and d not in self.streams:
@@ -56,15 +56,15 @@ class _State:
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*self.saved_tensors_hooks))
 
 
-def _saved_tensors_hooks() -> tuple[Callable, Callable] | None:
-    """The innermost ``(pack, unpack)`` saved-tensor hooks of this thread (the only ones that apply), or None."""
+def _saved_tensors_hooks() -> tuple[tuple[Callable, Callable] | None, bool]:
+    """The innermost ``(pack, unpack)`` saved-tensor hooks of this thread (the only ones that apply), or None; and
+    whether some are set that this torch cannot read (< 2.8: the workers then run without them, with a warning)."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if top is None:  # torch < 2.8 cannot say which hooks are set: the replicas run without them, with a warning
-        from ._compat import warn_if_saved_tensors_hooks_set
+    if top is None:
+        from ._compat import saved_tensors_hooks_set
 
-        warn_if_saved_tensors_hooks_set()
-        return None
-    return top(False)
+        return None, torch.is_grad_enabled() and saved_tensors_hooks_set()
+    return top(False), False
 
 
 def _autocast_state(device_type: str) -> tuple[torch.dtype, bool] | None:
@@ -108,9 +108,9 @@ def run_replicas(
         raise ValueError("run_replicas: several replicas need a WorkerPool to run on")
     results: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
-    # Read in the caller when several devices run at once; else only if a collective makes the replicas of a
-    # device take turns on threads: then in a thread that already entered the caller's state, which reads the same.
-    states: list[_State] = [_State(devices)] if len(set(devices)) > 1 else []
+    # Read here, in the caller, before any replica runs: a worker started later (at a collective) must not take
+    # the state of the replica that handed it the turn (a no_grad or autocast block around that collective).
+    state = _State(devices)
     tasks: list[threading.Event] = []
 
     def run(i: int) -> BaseException | None:
@@ -125,24 +125,26 @@ def run_replicas(
         return errors[i]
 
     def spawn(fn: Callable[[], None], device: torch.device) -> None:
-        if not states:
-            states.append(_State(devices))
-        state = states[0]
-
         def task() -> None:
             with contextlib.ExitStack() as stack:
                 state.enter(device, stack)
                 fn()
 
         done = threading.Event()
+        pool.submit(task, done)  # (if no thread can be started this raises, and the rendezvous fails the replica)
         tasks.append(done)
-        pool.submit(task, done)
 
     call = Call(devices, run, spawn, check_collective)
     try:
         call.run_all()
     finally:
         _wait_all(tasks)
+    if tasks and state.hooks_unreadable:  # some replicas ran on workers, without the caller's hooks
+        from ._compat import warn_saved_tensors_hooks_unreadable
+
+        warn_saved_tensors_hooks_unreadable()
+    for j, exc in call.start_errors.items():
+        errors[j] = exc
     # The root cause first: a replica's own exception over the collective errors it caused in the others.
     primary = [i for i in range(n) if errors[i] is not None and not getattr(errors[i], "secondary", False)]
     failed = primary or [i for i in range(n) if errors[i] is not None]

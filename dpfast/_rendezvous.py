@@ -84,6 +84,7 @@ class Call:
         self.entered = [0] * self.n
         self.open: Collective | None = None
         self.broken: CollectiveError | None = None
+        self.start_errors: dict[int, BaseException] = {}  # replicas whose worker thread could not be started
 
     # -- running -----------------------------------------------------------------------------------------------
 
@@ -91,11 +92,25 @@ class Call:
         """Every device's replicas: the first device's in this thread, the others' on workers (concurrently)."""
         for g in range(1, len(self.members)):
             first = self._start(g)
-            self._spawn(lambda g=g, first=first: self._run_group(g, first), self.devices[first])
+            try:
+                self._spawn(lambda g=g, first=first: self._run_group(g, first), self.devices[first])
+            except Exception as exc:  # noqa: BLE001 - as in _pass
+                with self.cond:
+                    self._could_not_start(g, first, exc)
         self._run_group(0, self._start(0))
         with self.cond:
             while any(s != _DONE for s in self.state):
                 self.cond.wait()
+
+    def _could_not_start(self, g: int, j: int, exc: BaseException) -> None:
+        """Replica ``j`` never ran (its thread could not start): it has left, and the turn moves on."""
+        self.start_errors[j] = exc
+        self.state[j] = _DONE
+        self.left[j] = f"could not start ({type(exc).__name__})"
+        self._settle()
+        if self.baton[g] == j:
+            self._pass(g, j, free=False)
+        self.cond.notify_all()
 
     def _start(self, g: int) -> int:
         with self.cond:
@@ -136,7 +151,10 @@ class Call:
                 self.state[j] = _RUNNING
                 if free:
                     return j
-                self._spawn(lambda j=j: self._run_group(g, j), self.devices[j])
+                try:
+                    self._spawn(lambda j=j: self._run_group(g, j), self.devices[j])
+                except Exception as exc:  # noqa: BLE001 - e.g. no thread can be started: that replica fails
+                    self._could_not_start(g, j, exc)
                 return None
         self.baton[g] = None
         return None
@@ -150,7 +168,7 @@ class Call:
         with self.cond:
             self.entered[i] += 1
             if self.broken is not None:
-                raise CollectiveError(str(self.broken), secondary=True)
+                raise CollectiveError(str(self.broken), secondary=True) from None
             coll = self.open
             if coll is None:
                 coll = self.open = Collective(self.entered[i], what)
@@ -174,7 +192,9 @@ class Call:
                 self.cond.wait()
             self.state[i] = _RUNNING
             if coll.error is not None:
-                raise coll.error
+                # a fresh exception per replica: the stored one raised in several threads would collect all their
+                # frames, and its traceback would hold this Call (a cycle keeping every replica's tensors alive)
+                raise CollectiveError(str(coll.error), secondary=coll.error.secondary) from None
             return coll
 
     def _settle(self) -> None:
@@ -219,8 +239,9 @@ class Call:
             for j in ready:
                 self.state[j] = _READY
             holder = self.baton[g]
-            # (a replica still running holds its turn: a failure can come from another device mid-turn)
-            if ready and (holder is None or self.state[holder] != _RUNNING):
+            # A replica that holds the turn keeps it: one still running (a failure can come from another device
+            # mid-turn) or one handed it but not yet awake. Else the lowest-index waiting replica goes first.
+            if ready and (holder is None or holder in ready or self.state[holder] == _DONE):
                 self.baton[g] = ready[0]
         self.cond.notify_all()
 

@@ -35,6 +35,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ._broadcast import broadcast, buffer_copies, fresh
+
 # Private test switch: when true, every slot after the first on the source device gets its own full copy of the
 # parameters (as if it were another device), so that the copy machinery (broadcast, refresh, invalidation,
 # gradients summing back onto the source) runs and is tested on the CPU, with autograd-connected clones instead of
@@ -77,33 +79,6 @@ def _check_copyable(source: torch.device, devices: Sequence[torch.device]) -> No
         )
 
 
-def _broadcast(
-    tensors: Sequence[torch.Tensor], source: torch.device, targets: Sequence[torch.device], detach: bool
-) -> list[list[torch.Tensor]]:
-    """A copy of every tensor per target device, ``[target][tensor]``; autograd-connected unless ``detach``."""
-    if not targets:
-        return []
-    if not tensors:
-        return [[] for _ in targets]
-    if all(d.type == "cuda" for d in targets) and source.type == "cuda":
-        if not detach and source not in targets:  # no copy for the source, so no zero gradient for it either
-            from ._broadcast import broadcast_to_others
-
-            return broadcast_to_others(tensors, source, targets)
-        from torch.nn.parallel.replicate import _broadcast_coalesced_reshape
-
-        # the source must come first; its own copies are dropped
-        return _broadcast_coalesced_reshape(list(tensors), [source] + list(targets), detach=detach)[1:]
-    # test switch on the CPU: clones, connected by autograd (a clone's gradient flows back to its input)
-    out = []
-    for _ in targets:
-        if detach:
-            out.append([t.detach().clone() for t in tensors])
-        else:
-            out.append([t.clone() for t in tensors])
-    return out
-
-
 # The hook registries of an nn.Module that a forward (or backward) consults.
 _HOOK_DICTS = (
     "_forward_hooks",
@@ -126,32 +101,6 @@ def _same(now: dict, snap: tuple[tuple, tuple]) -> bool:
     checks; a key re-inserted as an equal but other string reads as a change, which only costs a rebuild)."""
     keys, values = snap
     return len(now) == len(keys) and all(map(operator.is_, now, keys)) and all(map(operator.is_, now.values(), values))
-
-
-def _fresh(t: torch.Tensor, detach: bool) -> torch.Tensor:
-    """A replica's own copy of a buffer: autograd-connected when it requires grad, as torch broadcasts it."""
-    return t.detach().clone() if detach or not t.requires_grad else t.clone()
-
-
-def _buffer_copies(
-    buffers: Sequence[torch.Tensor], source: torch.device, devices: Sequence[torch.device], detach: bool
-) -> list[list[torch.Tensor]]:
-    """Per device, a copy of every buffer: broadcast with autograd for those that require grad, detached else."""
-    rg = [k for k, b in enumerate(buffers) if b.requires_grad and not detach]
-    if not rg:
-        return _broadcast(buffers, source, devices, True)
-    nrg = [k for k in range(len(buffers)) if k not in set(rg)]
-    c_rg = _broadcast([buffers[k] for k in rg], source, devices, False)
-    c_nrg = _broadcast([buffers[k] for k in nrg], source, devices, True)
-    rows = []
-    for row_rg, row_nrg in zip(c_rg, c_nrg):
-        row: list = [None] * len(buffers)
-        for k, t in zip(rg, row_rg):
-            row[k] = t
-        for k, t in zip(nrg, row_nrg):
-            row[k] = t
-        rows.append(row)
-    return rows
 
 
 class _ReplicaSet:
@@ -244,13 +193,13 @@ class _ReplicaSet:
             for now, snap in ((r._parameters, p), (r._buffers, b), (r._modules, c)):
                 now.clear()
                 now.update(snap)
-        for r, m in self.hooked:  # the module's hooks as they are now (hook ids only grow: length and last id)
+        for r, m in self.hooked:  # the module's hooks as they are now (the same hook ids in the same order)
             for name in _HOOK_DICTS:
                 mine, theirs = r.__dict__.get(name), m.__dict__.get(name)
                 if (
                     mine is not None
                     and theirs is not None
-                    and (len(mine) != len(theirs) or (theirs and next(reversed(theirs)) != next(reversed(mine))))
+                    and (len(mine) != len(theirs) or (theirs and any(map(operator.ne, mine, theirs))))
                 ):
                     mine.clear()
                     mine.update(theirs)
@@ -261,20 +210,20 @@ class _ReplicaSet:
         self._undo_forward_changes()
         detach = not torch.is_grad_enabled()
         params, buffers = self.params, self.buffers  # the module's very tensors, while valid() holds
-        pcopies = _broadcast(params, self.source, self.copy_devices, detach)
-        bcopies = _buffer_copies(buffers, self.source, self.copy_devices, detach)
+        pcopies = broadcast(params, self.source, self.copy_devices, detach)
+        bcopies = buffer_copies(buffers, self.source, self.copy_devices, detach)
         # every replica gets buffers of its own: the first on a copy device takes that device's copy, the others
         # (and the replicas on the source device) clone theirs
         taken: set[int] = set()
         own: list[list[torch.Tensor]] = []
         for g in self.group:
             if g is None:
-                own.append([_fresh(b, detach) for b in buffers])
+                own.append([fresh(b, detach) for b in buffers])
             elif g not in taken:
                 taken.add(g)
                 own.append(bcopies[g])
             else:
-                own.append([_fresh(b, detach) for b in bcopies[g]])
+                own.append([fresh(b, detach) for b in bcopies[g]])
         for j, r, key, k, via_setattr in self.param_slots:
             g = self.group[j]
             t = params[k] if g is None else pcopies[g][k]
@@ -344,8 +293,8 @@ class ReplicaCache:
         self, module: nn.Module, source: torch.device, devices: Sequence[torch.device]
     ) -> tuple[list[nn.Module], Callable[[], None]]:
         """``(modules, done)``: one module per entry of ``devices`` (``module`` itself for the first on ``source``, a
-        replica for every other) and a function to call when the step's forward has run (it frees the step's copies
-        and lets the next step reuse them)."""
+        replica for every other) and a function to call when the step's forward has run (it lets the next step
+        reuse them; the step's tensors stay in them until then, and the other cached sets' are dropped)."""
         slot_of, replica_devices = _slots(source, devices)
         if not replica_devices:
             return [module] * len(devices), _nothing
@@ -364,6 +313,14 @@ class ReplicaCache:
                     self._sets.popitem(last=False)
             else:
                 self._sets.move_to_end(key)
+            others = [o for o in self._sets.values() if o is not rs]
+        for other in others:  # a set used once (a smaller last batch) must not keep its step's tensors for long
+            if other.lock.acquire(blocking=False):
+                try:
+                    other.clear()
+                    other._undo_forward_changes()  # and what its forward set (a cached activation, say)
+                finally:
+                    other.lock.release()
         if not rs.lock.acquire(blocking=False):
             # the same DataParallel is running in another thread right now: a one-off set for this call
             rs = _ReplicaSet(module, source, replica_devices)

@@ -39,7 +39,7 @@ class SyncBatchNorm(_BatchNorm):
             self.num_batches_tracked.add_(1)
             factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
-        if not use_batch_stats or replica_count() == 1:
+        if not self.training or replica_count() == 1:  # torch's SyncBatchNorm syncs in training only, too
             return F.batch_norm(
                 input,
                 self.running_mean if not self.training or self.track_running_stats else None,
@@ -56,8 +56,10 @@ class SyncBatchNorm(_BatchNorm):
         dims = [0] + list(range(2, input.dim()))
         shape = [1, input.shape[1]] + [1] * (input.dim() - 2)
         local_count = input.numel() // max(input.shape[1], 1)
+        # statistics in float32 at least, as torch's batch norm accumulates them (a float16 sum overflows at 65504)
+        x = input.to(torch.promote_types(input.dtype, torch.float32))
         # one collective for the sums and the count together, one for the squared deviations
-        stats = all_reduce(torch.cat([input.sum(dims), input.new_tensor([local_count])]), "sum")
+        stats = all_reduce(torch.cat([x.sum(dims), x.new_tensor([local_count])]), "sum")
         total, count = stats[:-1], stats[-1]
         if input.device.type == "cpu" and count.item() <= 1:  # (on a GPU this check would cost a host sync)
             raise ValueError(
@@ -65,11 +67,12 @@ class SyncBatchNorm(_BatchNorm):
                 "over the whole batch"
             )
         mean = total / count
-        centered = input - mean.reshape(shape)
+        centered = x - mean.reshape(shape)
         var = all_reduce((centered * centered).sum(dims), "sum") / count
         out = centered * torch.rsqrt(var + self.eps).reshape(shape)
         if self.weight is not None:
             out = out * self.weight.reshape(shape) + self.bias.reshape(shape)
+        out = out.to(input.dtype)  # as BatchNorm returns the input's dtype, whatever its parameters' dtype
         if self.track_running_stats and self.running_mean is not None:
             with torch.no_grad():
                 unbiased = var * (count / (count - 1))

@@ -185,3 +185,84 @@ def test_many_collectives_keep_the_replicas_in_step_and_in_order():
         ref = ref + torch.stack([c.mean() for c in ref.split(2)]).mean()
     torch.testing.assert_close(out, ref)
     assert order == [(k, i) for k in range(5) for i in range(4)]  # the replicas of a device take turns in order
+
+
+# ---- found in review ---------------------------------------------------------------------------------------------
+
+
+def test_a_no_grad_block_around_a_collective_stays_in_its_replica():
+    """The replicas after the first start on worker threads at its collective: they take the caller's state, not
+    that of the block around the collective (they ran their whole forward without grad)."""
+
+    class Counted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            with torch.no_grad(), torch.autocast("cpu", enabled=False):
+                n = dpfast.all_reduce(torch.tensor([float(x.shape[0])]))
+            return self.lin(x) / n
+
+    torch.manual_seed(0)
+    m = Counted().to(DT)
+    x = torch.randn(8, 3, dtype=DT)
+    out = dpfast.DataParallel(m, ["cpu"] * 4)(x)
+    out.sum().backward()
+    got = m.lin.weight.grad.clone()
+    m.zero_grad()
+    (m.lin(x) / 8).sum().backward()
+    torch.testing.assert_close(got, m.lin.weight.grad)
+
+
+def test_changing_a_deposit_in_place_does_not_change_what_others_receive():
+    class Mutates(nn.Module):
+        def forward(self, x):
+            h = x * 1.0
+            g = dpfast.all_gather(h, 0)
+            h.relu_()  # this replica's turn is back: the others may not have read its deposit yet
+            return g.sum().reshape(1)
+
+    x = -torch.ones(8, dtype=DT)
+    out = dpfast.DataParallel(Mutates(), ["cpu"] * 4)(x)
+    assert out.tolist() == [-8.0] * 4
+
+
+def test_a_failed_collective_leaves_no_cycle_and_each_replica_its_own_error():
+    import gc
+    import weakref
+
+    kept = []
+
+    class Fails(nn.Module):
+        def forward(self, x):
+            y = x * 2
+            kept.append(weakref.ref(y))
+            if dpfast.replica_index() == 2:
+                raise ValueError("two fails")
+            return dpfast.all_reduce(y.sum())
+
+    gc.collect()
+    gc.disable()
+    try:
+        with pytest.raises(ValueError, match="two fails"):
+            dpfast.DataParallel(Fails(), ["cpu"] * 3, out_dims="sum")(torch.ones(6, requires_grad=True))
+        assert len(kept) == 3 and all(r() is None for r in kept)  # freed by reference counting alone
+    finally:
+        gc.enable()
+
+
+def test_a_worker_that_cannot_start_fails_its_replica_instead_of_hanging(monkeypatch):
+    from dpfast import _workers
+
+    def cannot_start(self, fn, done):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(_workers.WorkerPool, "submit", cannot_start)
+
+    class Turns(nn.Module):
+        def forward(self, x):
+            return dpfast.all_reduce(x.sum())
+
+    box = _call_in_thread(lambda: dpfast.DataParallel(Turns(), ["cpu"] * 2, out_dims="sum")(torch.ones(4)))
+    assert isinstance(box["error"], RuntimeError) and "can't start new thread" in str(box["error"])

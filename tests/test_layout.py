@@ -29,6 +29,7 @@ PIPELINE = [
     "_planning",
     "_transfer",
     "_gather",
+    "_broadcast",
     "_replicas",
     "_workers",
     "_rendezvous",

@@ -209,3 +209,45 @@ def test_hooks_a_replica_installs_stay_its_own():
     captured.clear()
     dp(torch.zeros(6, 2))
     assert captured.count(-1) == 3  # a hook added to the module later runs on every replica
+
+
+def test_hooks_re_registered_in_another_order_reach_the_replicas():
+    """The replicas' hooks follow the module's by their ids in order: removing one and prepending another keeps
+    the same count, and must still be seen."""
+    order = []
+    m = nn.Linear(2, 2)
+    m.register_forward_hook(lambda mod, a, o: order.append("A"))
+    old = m.register_forward_hook(lambda mod, a, o: order.append("old"))
+    m.register_forward_hook(lambda mod, a, o: order.append("C"))
+    dp = dpfast.DataParallel(m, ["cpu"] * 3)
+    dp(torch.zeros(3, 2))
+    old.remove()
+    m.register_forward_hook(lambda mod, a, o: order.append("NEW"), prepend=True)  # same count, same last hook
+    order.clear()
+    dp(torch.zeros(3, 2))
+    assert order == ["NEW", "A", "C"] * 3
+
+
+def test_a_replica_set_used_once_does_not_keep_its_tensors():
+    import gc
+    import weakref
+
+    refs = []
+
+    class Keeps(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            self.cache = h = self.lin(x)  # an activation kept on the module, as for inspection
+            refs.append(weakref.ref(h))
+            return h
+
+    dp = dpfast.DataParallel(Keeps(), ["cpu"] * 3)
+    dp(torch.randn(2, 4)).sum().backward()  # a last, smaller batch: a set of 2 replicas
+    small = list(refs)
+    for _ in range(2):
+        dp(torch.randn(9, 4)).sum().backward()
+    gc.collect()
+    assert all(r() is None for r in small)

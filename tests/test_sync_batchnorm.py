@@ -110,3 +110,27 @@ def test_one_value_per_channel_over_the_whole_batch_is_refused():
     dp(torch.randn(2, 2))  # one sample per replica, two over the batch: fine
     with pytest.raises(ValueError, match="more than 1 value per channel"):
         dpfast.DataParallel(SyncBatchNorm(2), ["cpu"] * 2)(torch.randn(1, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_inputs_keep_float32_statistics_and_their_dtype(dtype):
+    """Statistics accumulate in float32 at least (a float16 sum overflowed into NaN); the output has the input's
+    dtype, as BatchNorm's does, also with float32 parameters (autocast's mix)."""
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(4)
+    x = (torch.randn(64, 4) * 30 + 1000).to(dtype)  # the sums pass float16's 65504
+    sync = convert_sync_batchnorm(copy.deepcopy(bn))
+    out = dpfast.DataParallel(sync, ["cpu"] * 2)(x)
+    ref = bn(x)
+    assert out.dtype == ref.dtype == dtype and torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref.float(), atol=0.05, rtol=0.02)
+    torch.testing.assert_close(sync.running_mean, bn.running_mean, atol=0.5, rtol=1e-3)
+
+
+def test_eval_without_running_stats_does_not_sync():
+    """Like torch's SyncBatchNorm: in eval it never syncs, so ranks or replicas may evaluate alone."""
+    bn = SyncBatchNorm(3, track_running_stats=False).eval()
+    x = torch.randn(6, 3)
+    out = dpfast.DataParallel(bn, ["cpu"] * 2)(x)
+    expected = torch.cat([nn.functional.batch_norm(c, None, None, training=True) for c in x.split(3)])
+    torch.testing.assert_close(out, expected)

@@ -104,6 +104,18 @@ def test_gradient_accumulation_equals_the_plain_trainer(tmp_path):
     _same_parameters(trainer.model, plain.model)
 
 
+def test_gradient_accumulation_on_a_model_ignoring_num_items_equals_the_whole_batch(tmp_path):
+    """BERT accepts ``**kwargs`` but ignores ``num_items_in_batch``: the plain Trainer then skips its division by the
+    accumulation steps (huggingface/transformers#47688), so its gradient grows with them. Here the accumulated
+    steps add up to the whole batch's mean: training equals the plain Trainer without accumulation."""
+    plain = transformers.Trainer(model=bert(), args=_args(tmp_path / "p", B), train_dataset=dataset("bert"))
+    plain.train()
+    args = _args(tmp_path / "dp", B // 2, gradient_accumulation_steps=2)
+    trainer = DataParallelTrainer(model=bert(), args=args, train_dataset=dataset("bert"), device_ids=["cpu"] * 3)
+    trainer.train()
+    _same_parameters(trainer.model, plain.model)
+
+
 @pytest.mark.parametrize("n_gpu", [1, 4], ids=["rehearsal", "n_gpu=4"])
 @pytest.mark.parametrize("kind", ["gpt2", "bert"])
 def test_evaluate_and_predict_with_and_without_labels(kind, n_gpu, tmp_path, monkeypatch):

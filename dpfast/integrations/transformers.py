@@ -23,8 +23,9 @@ Trainer sets it.
 That is the single-device loss for a model that uses ``num_items_in_batch`` (whatever it counts), and for a model
 whose own mean counts what Trainer counts (HF's losses do). One difference from the plain Trainer remains, with
 gradient accumulation on a model that accepts ``**kwargs`` but ignores ``num_items_in_batch`` (BERT): the plain
-Trainer then divides that model's loss neither by the accumulated count nor by the accumulation steps; here it is
-divided by the accumulated count, as for a model that uses it.
+Trainer then divides that model's loss neither by the accumulated count nor by the accumulation steps
+(huggingface/transformers#47688); here it is divided by the accumulated count, as for a model that uses it, so the
+accumulated steps equal the whole batch without accumulation.
 """
 
 from __future__ import annotations

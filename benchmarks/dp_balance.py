@@ -113,6 +113,7 @@ def planning_time(rounds: int, batch: int = 10_000, devices: int = 8) -> dict:
     with ``cost``, and of the cost stage's two parts (reading the costs, the split), interleaved; medians over
     rounds. Measured with 1 intra-op thread and with the default: the cost stage is small tensor ops, which OpenMP
     wake-ups can stall on a busy machine."""
+    from dpfast import _costs
     from dpfast._costs import read_costs
     from dpfast._splits import balanced_split
 
@@ -127,14 +128,30 @@ def planning_time(rounds: int, batch: int = 10_000, devices: int = 8) -> dict:
 
     count = dpfast.DataParallel(Net(), ["cpu"] * devices)
     by_cost = dpfast.DataParallel(Net(), ["cpu"] * devices, cost="lengths")
+    flops = lengths.double() ** 2 * 1.7  # full 53-bit significands over 20 binary orders: 94-bit exact sums
     prefix = read_costs(lengths, batch, "cost").prefix
+
+    def python_ints(fn: Callable[[], object]) -> Callable[[], object]:
+        """``fn`` with the exact arithmetic on Python ints (the reference, and what runs without the extension)."""
+
+        def run() -> object:
+            saved, _costs.C = _costs.C, None
+            try:
+                return fn()
+            finally:
+                _costs.C = saved
+
+        return run
+
     forms: dict[str, Callable[[], object]] = {
         "plan, count split": functools.partial(count.plan, x, lengths),
         "plan, cost int64 tensor": functools.partial(by_cost.plan, x, lengths),
         "plan, cost float64 tensor": functools.partial(by_cost.plan, x, f64),
+        "plan, cost float64 tensor, Python ints": python_ints(functools.partial(by_cost.plan, x, f64)),
+        "plan, cost float64 lengths^2 * 1.7": functools.partial(by_cost.plan, x, flops),
+        "plan, cost float64 lengths^2 * 1.7, Python ints": python_ints(functools.partial(by_cost.plan, x, flops)),
         "read costs, int64 tensor": functools.partial(read_costs, lengths, batch, "cost"),
         "read costs, list of ints": functools.partial(read_costs, lengths.tolist(), batch, "cost"),
-        # 24-bit significands: the exact sums fit in int64; float64's 53 bits need Python integers
         "read costs, float32 tensor": functools.partial(read_costs, lengths.float() * 0.37, batch, "cost"),
         "read costs, float64 tensor": functools.partial(read_costs, f64, batch, "cost"),
         "balanced_split": functools.partial(balanced_split, prefix, devices),
@@ -186,9 +203,9 @@ def print_balance(rows: list, planning: dict | None) -> None:
     if planning:
         cols = [k for k in planning if k.startswith("us_")]
         print(f"\nplanning time, B = {planning['batch']} over {planning['devices']} devices (nothing copied), us")
-        print(f"  {'':<28}" + "".join(f"{k[3:].replace('_', ' '):>12}" for k in cols))
+        print(f"  {'':<48}" + "".join(f"{k[3:].replace('_', ' '):>12}" for k in cols))
         for name in planning[cols[0]]:
-            print(f"  {name:<28}" + "".join(f"{planning[k][name]:>12.1f}" for k in cols))
+            print(f"  {name:<48}" + "".join(f"{planning[k][name]:>12.1f}" for k in cols))
 
 
 def plot_balance(rows: list, path: str) -> str | None:

@@ -7,11 +7,15 @@ lengths, in the caller's order).
 
 Costs become exact integers times one common scale (a float is an integer times a power of two, so shifting by
 the smallest exponent loses nothing). :func:`dpfast._splits.balanced_split` then compares sums of costs without
-rounding: float prefix sums could rank two splits wrongly, or differently on two ranks.
+rounding: float prefix sums could rank two splits wrongly, or differently on two ranks. Tensors and lists of
+costs go to ``dpfast._C._exact_prefix`` (128-bit prefix sums, no Python int per sample); the code here is the same
+arithmetic on Python ints, for sums of 125 bits or more, ints beyond int64, mixed numbers, and without the
+extension.
 """
 
 from __future__ import annotations
 
+import array
 import ast
 import dataclasses
 import math
@@ -26,6 +30,8 @@ from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
 from ._binding import ArgumentSpecs
+from ._extension import C
+from ._splits import WidePrefix
 from ._tree import child_path, describe_value
 
 _INT64_MAX = 2**63 - 1
@@ -178,12 +184,19 @@ def read_costs(value: Any, batch: int, label: str) -> Costs:
     _check_length(len(value), batch, label)
     kinds = set(map(type, value))
     if kinds <= {int}:
+        if value and C is not None:
+            try:
+                native = _native_costs(torch.frombuffer(array.array("q", value), dtype=torch.int64))
+            except OverflowError:  # beyond int64: Python ints below
+                native = None
+            if native is not None:
+                return native
         low = min(value, default=0)
         if low < 0:
             _negative(label, value.index(low), low)
         return Costs(list(accumulate(value, initial=0)))
-    if kinds <= {float}:
-        return _tensor_costs(torch.tensor(value, dtype=torch.float64), batch, label)
+    if kinds <= {float}:  # through array: torch.tensor(list) costs several times more
+        return _tensor_costs(torch.frombuffer(array.array("d", value), dtype=torch.float64), batch, label)
     return _exact_costs(value, label)
 
 
@@ -225,6 +238,9 @@ def _tensor_costs(t: Tensor, batch: int, label: str) -> Costs:
     t = t.detach().cpu()
     if t.dtype in (torch.uint16, torch.uint32, torch.uint64):  # never negative; few ops support them
         return Costs(list(accumulate(t.tolist(), initial=0)))
+    native = _native_costs(t)
+    if native is not None:
+        return native
     if t.is_floating_point():
         t = t.double()
         bad = ~torch.isfinite(t)
@@ -235,6 +251,18 @@ def _tensor_costs(t: Tensor, batch: int, label: str) -> Costs:
         i = int((t < 0).nonzero()[0, 0])
         _negative(label, i, t[i].item())
     return _float_costs(t) if t.is_floating_point() else _int_costs(t.long())
+
+
+def _native_costs(t: Tensor) -> Costs | None:
+    """The costs as 128-bit prefix sums from ``dpfast._C._exact_prefix`` (the arithmetic below, without a Python
+    int per sample); None where it declines (a bad sample: the checks below word the error; sums of 125 bits or
+    more) or the extension is not loaded."""
+    if C is None:
+        return None
+    _bad, exp, pairs = C._exact_prefix((t.double() if t.is_floating_point() else t.long()).contiguous())
+    if pairs is None:
+        return None
+    return Costs(WidePrefix(pairs), Fraction(2) ** exp)
 
 
 def _int_costs(t: Tensor, scale: Fraction = Fraction(1)) -> Costs:

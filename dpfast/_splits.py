@@ -11,6 +11,14 @@ import numbers
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from fractions import Fraction
+from typing import overload
+
+from torch import Tensor
+
+from ._extension import C
+
+_MASK64 = (1 << 64) - 1
+_NATIVE_BITS = 126  # dpfast._C._balanced_bounds keeps every counted cost below 2^126
 
 
 def validate_chunk_sizes(chunk_sizes: Sequence[float] | None, n_devices: int) -> list[Fraction] | None:
@@ -85,6 +93,22 @@ def balanced_split(prefix: Sequence[int], n: int, weights: Sequence[Fraction] | 
         return count
     k = len(active)
     mult, lcm, total_weight = _multipliers([Fraction(1)] * k if weights is None else [weights[j] for j in active])
+    targets = list(_cumulative([count[j] for j in active]))
+    hi = max((prefix[b] - prefix[a]) * m for a, b, m in zip([0] + targets, targets, mult))
+    # every device's cost is at most U // m_j, so the total is at most U * sum(W) / L: a lower bound for U
+    lo = min(-(-prefix[-1] * lcm // total_weight), hi)
+    if isinstance(prefix, WidePrefix):
+        if max(mult).bit_length() < 64 and (prefix[-1] * max(mult)).bit_length() <= _NATIVE_BITS:
+            halves = (lo >> 64, lo & _MASK64, hi >> 64, hi & _MASK64)
+            return _sizes(C._balanced_bounds(prefix.pairs, mult, targets, *halves), active, n)
+        prefix = prefix.ints()
+    return _sizes(_search(prefix, mult, targets, lo, hi), active, n)
+
+
+def _search(prefix: Sequence[int], mult: list[int], targets: list[int], lo: int, hi: int) -> list[int]:
+    """The boundaries of :func:`balanced_split` for the active devices (``dpfast._C._balanced_bounds`` is the same
+    search in 128-bit integers)."""
+    batch, k = len(prefix) - 1, len(mult)
 
     def covers(u: int) -> int | None:
         """The largest counted cost of the greedy split at ``u`` (``<= u``), or None when it leaves samples."""
@@ -97,10 +121,6 @@ def balanced_split(prefix: Sequence[int], n: int, weights: Sequence[Fraction] | 
                 return top
         return None
 
-    targets = list(_cumulative([count[j] for j in active]))
-    hi = max((prefix[b] - prefix[a]) * m for a, b, m in zip([0] + targets, targets, mult))
-    # every device's cost is at most U // m_j, so the total is at most U * sum(W) / L: a lower bound for U
-    lo = min(-(-prefix[-1] * lcm // total_weight), hi)
     while lo < hi:
         mid = (lo + hi) // 2
         top = covers(mid)
@@ -120,10 +140,48 @@ def balanced_split(prefix: Sequence[int], n: int, weights: Sequence[Fraction] | 
         reach = bisect_right(prefix, prefix[start] + caps[j], start) - 1
         bounds.append(min(max(targets[j], low[j + 1], start), reach))
     bounds.append(batch)
+    return bounds
+
+
+def _sizes(bounds: list[int], active: list[int], n: int) -> list[int]:
     sizes = [0] * n
     for j, a, b in zip(active, bounds, bounds[1:]):
         sizes[j] = b - a
     return sizes
+
+
+class WidePrefix(Sequence):
+    """Prefix sums of integer costs held as 128-bit integers: ``pairs``, a ``(B + 1, 2)`` int64 tensor of (high,
+    low) 64-bit halves, from ``dpfast._C._exact_prefix``. Read as Python ints on access, so a split that reads a
+    few of them never builds ``B`` of them."""
+
+    def __init__(self, pairs: Tensor):
+        self.pairs = pairs
+        try:
+            self._flat: Sequence[int] = memoryview(pairs.numpy()).cast("B").cast("q")
+        except (RuntimeError, TypeError, ValueError):  # no numpy
+            self._flat = pairs.flatten().tolist()
+
+    def __len__(self) -> int:
+        return self.pairs.shape[0]
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError("prefix index out of range")
+        return (self._flat[2 * i] << 64) | (self._flat[2 * i + 1] & _MASK64)
+
+    def ints(self) -> list[int]:
+        """All of them, as a list (for the Python search, when the numbers are too wide for the native one)."""
+        f = self._flat
+        return [(h << 64) | (lo & _MASK64) for h, lo in zip(f[0::2], f[1::2])]
 
 
 def _cumulative(sizes: Sequence[int]):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make sanitize`: the CPU extension built with AddressSanitizer and UBSan (build/sanitize, beside the normal build),
-# then tests/test_ops.py, the argument and memory-safety tests, and the seeded fuzzer (tests/fuzz_ops.py) against
-# it. Any sanitizer report fails the run, and is printed.
+# then tests/test_ops.py, the argument, memory-safety and cost-arithmetic tests, and the seeded fuzzer (tests/fuzz_ops.py)
+# against it. Any sanitizer report fails the run, and is printed.
 #   FUZZ_SECONDS (default 60) bounds the fuzzer, FUZZ_SEED (default 0) seeds it; PY is the venv's python.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +14,9 @@ echo "[sanitize] building the CPU extension with -fsanitize=address,undefined in
 DPFAST_SANITIZE=1 DPFAST_CUDA=0 "$py" setup.py -q build_ext --build-lib "$lib" > "$out.build.log" 2>&1 \
   || { tail -n 40 "$out.build.log"; exit 1; }
 mkdir -p "$lib/dpfast"
-cp dpfast/*.py "$lib/dpfast/"   # the package beside the sanitized _C, so nothing else can be imported instead
+# the package (subpackages too, nothing stale) beside the sanitized _C, so nothing else can be imported instead
+find "$lib/dpfast" -name '*.py' -delete
+(cd dpfast && find . -name '*.py' -exec cp --parents {} "$lib/dpfast/" \;)
 log="$out/run.log"
 : > "$log"
 
@@ -38,7 +40,7 @@ status=0
 # pytest's console script, not `python -m pytest`: that would put the source tree (and its normal build) first;
 # --capture=sys leaves file descriptor 2 alone, so a report from a test that aborts the process is not lost
 run "$(dirname "$py")/pytest" -q -p no:cacheprovider --capture=sys tests/test_ops.py tests/test_op_arguments.py \
-  tests/test_memory_safety.py || status=$?
+  tests/test_memory_safety.py tests/test_native_costs.py tests/test_balance.py || status=$?
 run "$py" tests/fuzz_ops.py --seconds "${FUZZ_SECONDS:-60}" --seed "${FUZZ_SEED:-0}" || status=$?
 
 # the tests capture their subprocesses' stderr: a report there fails the test, and shows in its output here

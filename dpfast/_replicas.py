@@ -230,6 +230,10 @@ class _ReplicaSet:
             # parameters of a replica live as plain attributes (torch's replicate does the same with setattr); a
             # plain dict write is what Module.__setattr__ does for a tensor that is not a registered Parameter
             if via_setattr:
+                # a Parameter (the module's own, on its device) would be registered by Module.__setattr__ (global
+                # registration hooks firing per replica per step); a view is the same tensor to autograd
+                if isinstance(t, nn.Parameter):
+                    t = t.view_as(t)
                 setattr(r, key, t)
             else:
                 r.__dict__[key] = t

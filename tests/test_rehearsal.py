@@ -251,3 +251,41 @@ def test_a_replica_set_used_once_does_not_keep_its_tensors():
         dp(torch.randn(9, 4)).sum().backward()
     gc.collect()
     assert all(r() is None for r in small)
+
+
+class Owned(nn.Module):
+    """An LSTM (its __setattr__ tracks _flat_weights) and a Linear; forward reports the Parameters it holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(3, 4, batch_first=True)
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x):
+        held = torch.tensor([float(len(list(self.parameters())))], dtype=x.dtype).expand(x.shape[0])
+        return self.lin(self.lstm(x)[0][:, -1]), held
+
+
+def test_replicas_hold_no_parameters_of_their_own():
+    """Like torch's replicas, a replica's parameters() is empty (the module's own, replica 0, has them all), and no
+    step registers a Parameter anywhere: a global registration hook (as profilers and FSDP-style tools install)
+    does not fire per replica per step. Outputs and gradients equal the module's."""
+    torch.manual_seed(0)
+    module = Owned().to(DT)
+    plain = copy.deepcopy(module)
+    dp = dpfast.DataParallel(module, ["cpu"] * 3)
+    calls = []
+    hook = nn.modules.module.register_module_parameter_registration_hook(lambda *a: calls.append(a[1]))
+    try:
+        x = torch.randn(6, 5, 3, dtype=DT)
+        for _ in range(2):
+            (out, held), (ref, _) = dp(x), plain(x)
+            torch.testing.assert_close(out, ref)
+            out.sum().backward()
+            ref.sum().backward()
+    finally:
+        hook.remove()
+    assert calls == []
+    assert held.tolist() == [6.0] * 2 + [0.0] * 4
+    for (name, p), q in zip(module.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)

@@ -26,9 +26,22 @@ constexpr i128 kLimit = static_cast<i128>(1) << kBits;
 
 int bit_length(uint64_t v) { return v == 0 ? 0 : 64 - __builtin_clzll(v); }
 
-// `t` when it is a contiguous 1-D CPU tensor, else a ValueError naming `what`.
-at::Tensor checked_vector(at::Tensor t, const char* what) {
-  TORCH_CHECK_VALUE(t.dim() == 1 && t.is_cpu() && t.is_contiguous(), what, " must be a contiguous 1-D CPU tensor");
+// Whether a strided CPU tensor's elements lie inside its allocated storage (a storage can be resized under it).
+bool inside_storage(const at::Tensor& t) {
+  if (t.numel() == 0) return true;
+  if (!t.has_storage() || t.storage().data() == nullptr) return false;
+  const int64_t items = static_cast<int64_t>(t.storage().nbytes()) / static_cast<int64_t>(t.element_size());
+  return t.storage_offset() >= 0 && t.storage_offset() <= items && t.numel() <= items - t.storage_offset();
+}
+
+// `t` when it is a plain contiguous CPU tensor of `dim` dimensions whose memory holds its values as they read (no
+// negated or zero-tensor view), else a ValueError naming `what`.
+at::Tensor checked_tensor(at::Tensor t, int64_t dim, const char* what) {
+  TORCH_CHECK_VALUE(t.dim() == dim && t.is_cpu() && t.layout() == at::kStrided && t.is_contiguous(), what,
+                    " must be a contiguous ", dim, "-D CPU tensor");
+  TORCH_CHECK_VALUE(!t.is_neg() && !t.is_conj() && !t._is_zerotensor(), what,
+                    " must not be a negated, conjugated or zero-tensor view (resolve it first)");
+  TORCH_CHECK_VALUE(inside_storage(t), what, " reaches past its storage");
   return t;
 }
 
@@ -37,10 +50,13 @@ at::Tensor unpack_tensor(PyObject* o, const char* what) {
   return THPVariable_Unpack(o);
 }
 
+// An int that fits in int64, else a TypeError/ValueError naming `what` (never an OverflowError).
 int64_t as_int64(PyObject* o, const char* what) {
   TORCH_CHECK_TYPE(PyLong_Check(o), what, " must be an int");
-  const int64_t v = PyLong_AsLongLong(o);
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
   if (v == -1 && PyErr_Occurred()) throw python_error();
+  TORCH_CHECK_VALUE(overflow == 0, what, " is out of range");
   return v;
 }
 
@@ -56,11 +72,14 @@ std::vector<int64_t> int_list(PyObject* seq, const char* what) {
 // A value below 2^127 from its (high, low) 64-bit halves, as _splits.py passes them.
 i128 from_halves(PyObject* high, PyObject* low, const char* what) {
   TORCH_CHECK_TYPE(PyLong_Check(high) && PyLong_Check(low), what, " must be ints");
-  const int64_t h = PyLong_AsLongLong(high);
-  if (h == -1 && PyErr_Occurred()) throw python_error();
-  const unsigned long long l = PyLong_AsUnsignedLongLong(low);
-  if (l == static_cast<unsigned long long>(-1) && PyErr_Occurred()) throw python_error();
+  const int64_t h = as_int64(high, what);
   TORCH_CHECK_VALUE(h >= 0 && h < (INT64_C(1) << 62), what, " is out of range");
+  const unsigned long long l = PyLong_AsUnsignedLongLong(low);
+  if (l == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+    if (!PyErr_ExceptionMatches(PyExc_OverflowError)) throw python_error();
+    PyErr_Clear();  // negative, or 64 bits or more
+    TORCH_CHECK_VALUE(false, what, " is out of range");
+  }
   return static_cast<i128>((static_cast<u128>(h) << 64) | l);
 }
 
@@ -87,7 +106,7 @@ bool decompose(double x, uint64_t& m, int& e) {
 PyObject* py_exact_prefix(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(nargs == 1, "_exact_prefix(costs) takes one tensor");
-  const at::Tensor t = checked_vector(unpack_tensor(args[0], "costs"), "costs");
+  const at::Tensor t = checked_tensor(unpack_tensor(args[0], "costs"), 1, "costs");
   const bool is_float = t.scalar_type() == at::kDouble;
   TORCH_CHECK_TYPE(is_float || t.scalar_type() == at::kLong, "costs must be float64 or int64");
   const int64_t n = t.numel();
@@ -131,8 +150,8 @@ PyObject* py_exact_prefix(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 // The prefix sums of a (B + 1, 2) int64 tensor of 128-bit (high, low) halves: starting at 0, never decreasing.
 std::vector<i128> read_prefix(const at::Tensor& t) {
-  TORCH_CHECK_VALUE(t.dim() == 2 && t.size(1) == 2 && t.size(0) >= 1 && t.is_cpu() && t.is_contiguous() &&
-                        t.scalar_type() == at::kLong,
+  checked_tensor(t, 2, "prefix");
+  TORCH_CHECK_VALUE(t.size(1) == 2 && t.size(0) >= 1 && t.scalar_type() == at::kLong,
                     "prefix must be a contiguous CPU int64 tensor of shape (B + 1, 2)");
   const int64_t* p = t.const_data_ptr<int64_t>();
   std::vector<i128> out(static_cast<size_t>(t.size(0)));

@@ -257,9 +257,10 @@ def _native_costs(t: Tensor) -> Costs | None:
     """The costs as 128-bit prefix sums from ``dpfast._C._exact_prefix`` (the arithmetic below, without a Python
     int per sample); None where it declines (a bad sample: the checks below word the error; sums of 125 bits or
     more) or the extension is not loaded."""
-    if C is None:
-        return None
-    _bad, exp, pairs = C._exact_prefix((t.double() if t.is_floating_point() else t.long()).contiguous())
+    if C is None or type(t) is not Tensor or t.layout != torch.strided or t._is_zerotensor():
+        return None  # subclasses, sparse and zero tensors: the reference reads them through torch's ops
+    t = (t.double() if t.is_floating_point() else t.long()).resolve_neg().contiguous()
+    _bad, exp, pairs = C._exact_prefix(t)
     if pairs is None:
         return None
     return Costs(WidePrefix(pairs), Fraction(2) ** exp)

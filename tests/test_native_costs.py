@@ -64,7 +64,8 @@ def test_native_costs_and_split_equal_the_python_reference(values, weights, n, a
     fr = validate_chunk_sizes(weights, n)
     sizes = balanced_split(native.prefix, n, fr)
     assert sizes == balanced_split(reference.prefix, n, fr)
-    assert native.per_part(sizes) == reference.per_part(sizes)
+    got, want = native.per_part(sizes), reference.per_part(sizes)
+    assert got == want and list(map(type, got)) == list(map(type, want))
 
 
 def test_float_costs_use_128_bit_sums():
@@ -145,6 +146,13 @@ GOOD = (_pairs([0, 5, 9, 12]), [1, 1], [2, 3], 0, 6, 0, 12)  # costs 5, 4, 3 ove
         ({5: 2**62}, ValueError, "hi"),
         ({4: 13}, ValueError, "bracket"),
         ({4: 1.5}, TypeError, "ints"),
+        ({1: [2**63, 1]}, ValueError, "mult is out of range"),
+        ({2: [2**64, 3]}, ValueError, "targets is out of range"),
+        ({3: 2**63}, ValueError, "lo is out of range"),
+        ({4: 2**64}, ValueError, "lo is out of range"),
+        ({4: -1}, ValueError, "lo is out of range"),
+        ({0: torch._efficientzerotensor((4, 2), dtype=torch.int64)}, ValueError, "zero-tensor"),
+        ({0: torch._neg_view(_pairs([0, 5, 9, 12]))}, ValueError, "negated"),
     ],
 )
 def test_balanced_bounds_rejects_bad_arguments(change, exc, match):
@@ -173,3 +181,25 @@ def test_exact_prefix_rejects_bad_arguments(bad):
         C._exact_prefix(bad)
     with pytest.raises(TypeError):
         C._exact_prefix()
+
+
+def test_negated_views_and_zero_tensors_read_as_their_values():
+    """A negated view (``z.conj().imag`` is one) holds its values negated in memory; a zero tensor has no memory."""
+    neg = torch._neg_view(torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))
+    with pytest.raises(ValueError, match="cost: sample 0 has cost -1.0; costs must be >= 0"):
+        _costs.read_costs(neg, 3, "cost")
+    with pytest.raises(ValueError, match="negated"):
+        C._exact_prefix(neg)
+    positive = torch._neg_view(torch.tensor([-1, -2, -3]))
+    assert exact_prefix(_costs.read_costs(positive, 3, "cost")) == [0, 1, 3, 6]
+    zeros = torch._efficientzerotensor(4, dtype=torch.float64)
+    assert exact_prefix(_costs.read_costs(zeros, 4, "cost")) == [0] * 5
+    with pytest.raises(ValueError, match="zero-tensor"):
+        C._exact_prefix(zeros)
+
+
+def test_exact_prefix_refuses_a_tensor_past_its_storage():
+    t = torch.ones(1000, dtype=torch.float64)
+    t.untyped_storage().resize_(8)
+    with pytest.raises(ValueError, match="past its storage"):
+        C._exact_prefix(t)

@@ -1,4 +1,4 @@
-"""Types of the compiled extension ``dpfast._C`` (csrc/dpfast.cpp, csrc/python_calls.cpp).
+"""Types of the compiled extension ``dpfast._C`` (csrc/dpfast.cpp, csrc/python_calls.cpp, csrc/python_costs.cpp).
 
 Importing it registers the ops as ``torch.ops.dpfast.*``. The underscored functions are the direct entry points
 behind :mod:`dpfast.ops`: they take plain tensors and arguments and return ``NotImplemented`` for anything else
@@ -28,3 +28,10 @@ def _job_offsets(
     sizes: Sequence[int], src_strides: Sequence[int], dst_strides: Sequence[int], units: Sequence[int]
 ) -> list: ...
 def _replay_cuda_copy(srcs: Sequence[Tensor], dsts: Sequence[Tensor], blocks: int, threads: int) -> tuple: ...
+
+# The exact arithmetic of cost= (csrc/python_costs.cpp; dpfast/_costs.py and dpfast/_splits.py hold the reference).
+# (first bad sample or -1, exponent of the common scale, (B + 1, 2) int64 prefix halves or None when too wide)
+def _exact_prefix(costs: Tensor) -> tuple[int, int | None, Tensor | None]: ...
+def _balanced_bounds(
+    prefix: Tensor, mult: Sequence[int], targets: Sequence[int], lo_high: int, lo_low: int, hi_high: int, hi_low: int
+) -> list[int]: ...

@@ -98,8 +98,9 @@ def cache_children(obj: Any) -> tuple[tuple, tuple]:
 
 def cache_rebuild(orig: Any, keys: tuple, values: list) -> Any:
     """A shallow copy of ``orig`` holding ``values``: a replica's own cache, which its model updates in place.
-    Mutable bookkeeping (the list a cache grows its layers into, a dict of flags) is copied too, so replicas never
-    write into one shared object; ``device`` and 0-dim tensors follow the new tensors' device."""
+    Mutable bookkeeping (the list a cache grows its layers into, a dict of flags, the 0-dim counters a StaticCache
+    layer increments in place) is copied too, so replicas never write into one shared object, nor into the
+    caller's; ``device`` and 0-dim tensors follow the new tensors' device."""
     new = copy.copy(orig)
     state = vars(new)
     for k, v in state.items():
@@ -107,10 +108,9 @@ def cache_rebuild(orig: Any, keys: tuple, values: list) -> Any:
             state[k] = copy.copy(v)
     state.update(zip(keys, values))
     device = next((v.device for v in values if isinstance(v, Tensor)), None)
-    if device is not None:
-        if isinstance(state.get("device"), torch.device):
-            state["device"] = device
-        for k, v in state.items():
-            if isinstance(v, Tensor) and v.dim() == 0 and v.device != device:
-                state[k] = v.to(device)
+    if device is not None and isinstance(state.get("device"), torch.device):
+        state["device"] = device
+    for k, v in state.items():
+        if isinstance(v, Tensor) and v.dim() == 0 and k not in keys:
+            state[k] = v.to(device) if device is not None and v.device != device else v.clone()
     return new

@@ -13,14 +13,14 @@ each step only writes the parameters and fresh buffers into the replicas' attrib
 the next step replaces them, since a backward may need them (``torch.utils.checkpoint`` recomputes a replica's
 forward from its module). Attributes a replica's forward set are undone at the next step.
 
-Invalidation: at build time each source module's ``__dict__``, ``_parameters``, ``_buffers`` and ``_modules`` are
-snapshotted (shallow), and each step checks by identity that none of them changed. That catches parameters or
-buffers added, removed or replaced (``load_state_dict(assign=True)``, ``.to()`` under
+Invalidation: at build time each source module's class, ``__dict__``, ``_parameters``, ``_buffers`` and
+``_modules`` are snapshotted (shallow), and each step checks by identity that none of them changed. That catches
+parameters or buffers added, removed or replaced (``load_state_dict(assign=True)``, ``.to()`` under
 ``torch.__future__.set_overwrite_module_params_on_conversion(True)``), submodules added or replaced anywhere in
-the tree, ``train()``/``eval()`` and any other attribute reassigned on any module. In-place changes (``.to()``'s
-usual conversion, ``load_state_dict``'s copy, an optimizer step) need no rebuild: values are taken from the source
-at every step. A module that reassigns an attribute of itself in every ``forward`` is rebuilt every step: correct,
-and no slower than torch's replicate.
+the tree, a ``__class__`` swap, ``train()``/``eval()`` and any other attribute reassigned on any module. In-place
+changes (``.to()``'s usual conversion, ``load_state_dict``'s copy, an optimizer step) need no rebuild: values are
+taken from the source at every step. A module that reassigns an attribute of itself in every ``forward`` is
+rebuilt every step: correct, and no slower than torch's replicate.
 """
 
 from __future__ import annotations
@@ -103,6 +103,19 @@ def _same(now: dict, snap: tuple[tuple, tuple]) -> bool:
     return len(now) == len(keys) and all(map(operator.is_, now, keys)) and all(map(operator.is_, now.values(), values))
 
 
+def _refuse_compiled(root: nn.Module) -> None:
+    """A ``torch.compile``'d module cannot be copied: its OptimizedModule forwards ``_parameters`` and ``_modules``
+    to the original, so a copy (torch's replicate too) would empty the original's. Raised before anything is."""
+    for name, m in root.named_modules():
+        if type(m).__name__ == "OptimizedModule" and hasattr(m, "_orig_mod"):
+            where = f"`{name}` of the wrapped module" if name else "the wrapped module"
+            raise TypeError(
+                f"{where} is a torch.compile'd module (OptimizedModule); its replicas cannot be made (copying it "
+                "would empty the original's parameters). Compile the wrapper instead: "
+                "torch.compile(dpfast.DataParallel(model, ...)), with the module itself uncompiled inside"
+            )
+
+
 class _ReplicaSet:
     """The module tree built once per replica, with the attribute slots each step writes parameters and buffers
     into, and a snapshot of each replica module to undo what a forward changed."""
@@ -122,10 +135,11 @@ class _ReplicaSet:
                 self.group.append(len(self.copy_devices) - 1)
             else:
                 self.group.append(self.copy_devices.index(d))
+        _refuse_compiled(root)
         modules = list(root.modules())
         self.modules = modules
         self.snapshots = [
-            (_snap(m.__dict__), _snap(m._parameters), _snap(m._buffers), _snap(m._modules)) for m in modules
+            (type(m), _snap(m.__dict__), _snap(m._parameters), _snap(m._buffers), _snap(m._modules)) for m in modules
         ]
         index = {id(m): i for i, m in enumerate(modules)}
         copies = [[m._replicate_for_data_parallel() for m in modules] for _ in self.devices]
@@ -178,8 +192,14 @@ class _ReplicaSet:
         modules = self.modules
         if modules[0] is not root:
             return False
-        for m, (d, p, b, c) in zip(modules, self.snapshots):
-            if not (_same(m.__dict__, d) and _same(m._parameters, p) and _same(m._buffers, b) and _same(m._modules, c)):
+        for m, (t, d, p, b, c) in zip(modules, self.snapshots):
+            if not (
+                type(m) is t  # a __class__ swap leaves the dicts as they were
+                and _same(m.__dict__, d)
+                and _same(m._parameters, p)
+                and _same(m._buffers, b)
+                and _same(m._modules, c)
+            ):
                 return False
         return True
 

@@ -182,6 +182,38 @@ def test_fresh_empty_cache_passed_in_gives_each_replica_its_own(cache_walk):
     torch.testing.assert_close(out.cache.layers[1].values, ref.cache.layers[1].values)
 
 
+def llama():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg).to(DT).eval()
+
+
+def test_static_cache_counters_are_each_replicas_own():
+    """A StaticCache's layers count the positions written in a 0-dim tensor the model increments in place: replicas
+    sharing one counter prefilled at positions k * L (silently wrong logits) and advanced the caller's cache."""
+    m = llama()
+    dp = dpfast.DataParallel(m, ["cpu"] * 4)
+    ids = _ids(6, 8)
+
+    def static():
+        return transformers.StaticCache(config=m.config, max_cache_len=16)
+
+    with torch.no_grad():
+        out, ref = dp(input_ids=ids, cache=static(), use_cache=True), m(input_ids=ids, cache=static(), use_cache=True)
+        torch.testing.assert_close(out.logits, ref.logits)
+        assert out.cache.layers[0].cumulative_length.item() == 8 == ref.cache.layers[0].cumulative_length.item()
+        filled = static()
+        nxt = m(input_ids=ids, cache=filled, use_cache=True).logits[:, -1:].argmax(-1)
+        want = m(input_ids=nxt, cache=copy.deepcopy(filled), use_cache=True)
+        got = dp(input_ids=nxt, cache=filled, use_cache=True)
+    torch.testing.assert_close(got.logits, want.logits)
+    assert filled.layers[0].cumulative_length.item() == 8  # the cache passed in is not updated in place
+    assert got.cache.layers[0].cumulative_length.item() == 9
+
+
 def test_t5_outputs_and_gradients_equal_the_model():
     ids, mask, dec = _ids(5, 6), _mask(5, 6), _ids(5, 3, seed=1)
     kwargs = {"attention_mask": mask, "decoder_input_ids": dec, "output_hidden_states": True, "use_cache": False}

@@ -175,7 +175,17 @@ def _to_overwriting(m):
         torch.__future__.set_overwrite_module_params_on_conversion(old)
 
 
+class _Doubled(nn.Linear):
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def _swap_class(m):
+    m.out.__class__ = _Doubled  # what some patching tools do; the instance's __dict__ stays the same
+
+
 REBUILDS = [
+    _swap_class,
     _replace_weight,
     _add_parameter,
     _replace_buffer,
@@ -429,3 +439,25 @@ def test_device_check_sees_changes_after_the_first_call():
     src.out.add_module("late", nn.Linear(1, 1, device="meta"))  # deeper in the tree, after the cache was built
     with pytest.raises(RuntimeError, match="found one of them on device: meta"):
         dp(_x(4))
+
+
+@pytest.mark.parametrize("where", ["the module", "a submodule"])
+def test_compiled_modules_are_refused_before_anything_is_changed(where):
+    """Copying a torch.compile'd module (its OptimizedModule forwards ``_parameters`` to the original) emptied the
+    original's parameters: a KeyError, then a model that no longer works. The call refuses it and says what to do;
+    compiling the wrapper works."""
+    src = _net()
+    plain = copy.deepcopy(src)
+    if where == "the module":
+        model = torch.compile(src, backend="eager")
+    else:
+        src.out = torch.compile(src.out, backend="eager")
+        model = src
+    with pytest.raises(TypeError, match=r"torch.compile.*torch.compile\(dpfast.DataParallel\(model"):
+        dpfast.DataParallel(model, ["cpu"] * 3)(_x(7))
+    assert len(list(src.parameters())) == len(list(plain.parameters()))
+    torch.testing.assert_close(src(_x(7)), plain(_x(7)))
+    torch.testing.assert_close(dpfast.DataParallel(model, ["cpu"])(_x(7)), plain(_x(7)))  # one device: no replicas
+    if where == "the module":
+        compiled = torch.compile(dpfast.DataParallel(src, ["cpu"] * 3), backend="eager")
+        torch.testing.assert_close(compiled(_x(7)), plain(_x(7)))

@@ -90,7 +90,7 @@ def _combine(leaf: SpecLeaf, values: list, device: torch.device, weights: list[f
         return ops.gather([v.reshape(1) for v in values], 0, device)
     ref = values[0]
     if ref.dim() == 0 or not -ref.dim() <= spec < ref.dim():
-        _check_concatenable(path, spec, values)
+        _check_concatenable(path, spec, values, sizes)
     axis = spec % ref.dim()
     perm = memory_order(ref)
     try:  # ops.gather checks dims, dtypes and shapes before it copies anything
@@ -99,13 +99,13 @@ def _combine(leaf: SpecLeaf, values: list, device: torch.device, weights: list[f
         else:  # replica 0 returned channels_last: gather the NHWC views (a contiguous NHWC result), view back
             out = ops.gather([v.permute(perm) for v in values], perm.index(axis), device).permute(inverse(perm))
     except (ValueError, IndexError):
-        _check_concatenable(path, spec, values)  # the same problem, worded for the output and its replicas
+        _check_concatenable(path, spec, values, sizes)  # the same problem, worded for the output and its replicas
         raise
     _warn_if_batch_elsewhere(path, spec, axis, values, sizes)
     return out
 
 
-def _check_concatenable(path: str, spec: int, values: list) -> None:
+def _check_concatenable(path: str, spec: int, values: list, sizes: Sequence[int]) -> None:
     ref = values[0]
     for r, v in enumerate(values):
         if v.dim() != ref.dim() or not -v.dim() <= spec < v.dim():
@@ -114,6 +114,15 @@ def _check_concatenable(path: str, spec: int, values: list) -> None:
                 f"{tuple(v.shape)}, replica 0 {tuple(ref.shape)}; give it another out_dims axis, or None/'sum'/'mean'"
             )
     axis = spec % ref.dim()
+    follows = [k for k in range(ref.dim()) if len(values) == len(sizes) and [v.shape[k] for v in values] == list(sizes)]
+    if axis in follows and len(follows) > 1:
+        shapes = ", ".join(str(tuple(v.shape)) for v in values)
+        raise ValueError(
+            f"output `{path}` cannot be concatenated along axis {spec}: the replicas returned {shapes}, where axes "
+            f"{follows} all follow each replica's chunk ({list(sizes)} samples): a result between the samples of one "
+            "chunk (a similarity or contrastive logits matrix) covers only that chunk, not the batch. Compute it "
+            "from the gathered outputs after the call, or gather inside forward (dpfast.all_gather)"
+        )
     for r, v in enumerate(values):
         if v.dtype != ref.dtype or any(a != b for i, (a, b) in enumerate(zip(v.shape, ref.shape)) if i != axis):
             raise ValueError(

@@ -117,10 +117,22 @@ def test_output_errors():
 
     with pytest.raises(
         ValueError,
-        match=r"output `output` cannot be concatenated along axis 0: replica 1 returned "
-        r"\(1, 1\) torch.float32, replica 0 \(2, 2\)",
+        match=r"output `output` cannot be concatenated along axis 0: the replicas returned \(2, 2\), \(1, 1\), "
+        r"where axes \[0, 1\] all follow each replica's chunk \(\[2, 1\] samples\): a result between the samples "
+        r"of one chunk \(a similarity or contrastive logits matrix\)",
     ):
         dpfast.DataParallel(Varying(), ["cpu"] * 2)(torch.zeros(3))
+
+    class Growing(nn.Module):
+        def forward(self, x):
+            return torch.zeros(x.shape[0], 4 - x.shape[0])
+
+    with pytest.raises(
+        ValueError,
+        match=r"output `output` cannot be concatenated along axis 0: replica 1 returned "
+        r"\(1, 3\) torch.float32, replica 0 \(2, 2\)",
+    ):
+        dpfast.DataParallel(Growing(), ["cpu"] * 2)(torch.zeros(3))
     with pytest.raises(ValueError, match=r"output `output` cannot be averaged across replicas"):
         dpfast.DataParallel(Varying(), ["cpu"] * 2, out_dims="mean")(torch.zeros(3))
     with pytest.raises(TypeError, match=r"output `output\[1\]` is str; out_dims 'sum' needs tensors or numbers"):

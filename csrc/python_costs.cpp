@@ -4,6 +4,7 @@
 // Here B costs are read and split without building B Python integers, which is what made float costs slow.
 #include "python_costs.h"
 
+#include <ATen/ops/empty.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 

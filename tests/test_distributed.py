@@ -215,6 +215,7 @@ def _scenarios(world):
     )
     out["sync_batchnorm"] = functools.partial(_sync_batchnorm_vs_full_batch, 7)
     out["sync_batchnorm_rank_without_rows"] = functools.partial(_sync_batchnorm_vs_full_batch, world + 1)
+    out["buffers_from_the_first_rank_with_rows"] = _buffers_from_the_first_rank_with_rows
     out["no_tensor_to_split"] = _no_tensor_to_split
     out["mismatched_batch"] = _mismatched_batch
     out["one_rank_bad_inputs"] = _one_rank_bad_inputs
@@ -275,6 +276,33 @@ def _sync_batchnorm_vs_full_batch(b):
             torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad of {name}: {m}")
         for (name, x1), (_, x2) in zip(ddp.module.named_buffers(), plain.named_buffers()):
             torch.testing.assert_close(x1, x2, msg=lambda m, name=name: f"buffer {name}: {m}")
+
+
+def _buffers_from_the_first_rank_with_rows():
+    """chunk_sizes [0, 1, ...]: rank 0 never has rows, so its BatchNorm statistics never move; DDP broadcast them
+    to every rank at each forward, so no rank's ever moved. The buffers now come from the first rank with rows, as
+    DataParallel with the same specs keeps the first replica's that had rows."""
+    world = dist.get_world_size()
+    weights = [0] + [1] * (world - 1)
+    torch.manual_seed(0)
+    plain = _BNNet().to(DT)
+    ddp = dpfast.DistributedDataParallel(copy.deepcopy(plain), gather_outputs=True, chunk_sizes=weights)
+    dp = dpfast.DataParallel(copy.deepcopy(plain), ["cpu"] * world, chunk_sizes=weights)
+    xs = [torch.randn(2 * world + 1, 4, dtype=DT, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    for x in xs:
+        ddp(x).sum().backward()
+    with solo_context():
+        for x in xs:
+            dp(x).sum().backward()
+    ddp.eval()
+    dp.eval()
+    out = ddp(xs[0])  # the broadcast at the start of this forward is what every rank keeps
+    with solo_context():
+        ref = dp(xs[0])
+    torch.testing.assert_close(out, ref)
+    for (name, b), (_, want) in zip(ddp.module.named_buffers(), dp.module.named_buffers()):
+        torch.testing.assert_close(b, want, msg=lambda m, name=name: f"buffer {name}: {m}")
+    assert not torch.equal(ddp.module.bn.running_mean, plain.bn.running_mean)
 
 
 def _cost_balanced_split():

@@ -53,6 +53,7 @@ For a per-sample-mean loss on uneven shares, multiply the local loss by :attr:`D
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import numbers
 import warnings
@@ -178,6 +179,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self.share: Share | None = None
         self._empty_share: _EmptyShare | None = None  # set for the forward of a rank that has no rows
         self._warned_empty = False
+        self._buffer_source = 0  # the first rank that had rows in the last forward (see _sync_buffers)
 
     # -- properties -----------------------------------------------------------------------------------------
 
@@ -208,6 +210,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         assert plan is not None
         args, kw = self._take_share(plan, inputs, kwargs)
         outputs = super().forward(*args, **kw)
+        self._buffer_source = next((r for r, n in enumerate(plan.sizes) if n > 0), 0) if plan.mode == "split" else 0
         if not self.gather_outputs:
             return outputs
         return gather_across_ranks(self._group, outputs, self.out_dims, self.dim, self.share)
@@ -243,6 +246,19 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         g = self._group
         views = AverageInputGrads.apply(g.process_group, g.world, g.comm_device, *[leaf.value for leaf in leaves])
         return {id(leaf): v for leaf, v in zip(leaves, views)}
+
+    def _sync_buffers(self) -> None:
+        """DDP broadcasts the buffers from rank 0 at each forward. A rank that had no rows in the last forward (a
+        ``chunk_sizes`` weight of 0) holds buffers its module never updated (BatchNorm statistics that would never
+        move), so the first rank that had rows is the source, as ``DataParallel`` keeps the buffers of the first
+        replica that had rows. Every rank computed the same plan, so they agree without asking."""
+        if self._buffer_source == 0 or self._join_config.enable:
+            return super()._sync_buffers()
+        with torch.no_grad():
+            self._assign_modules_buffers()
+            preserve = getattr(torch.autograd, "_unsafe_preserve_version_counter", None)
+            with preserve(tuple(self.modules_buffers)) if preserve else contextlib.nullcontext():
+                self._sync_module_buffers(self._buffer_source)
 
     def _run_ddp_forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Inside torch's DDP forward (between its pre- and post-forward): an empty share runs an empty slice, or

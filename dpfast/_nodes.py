@@ -82,12 +82,15 @@ def is_cache(obj: Any) -> bool:
 
 
 def _is_state(v: Any) -> bool:
-    """Attributes that are a cache's batch state: tensors with a batch axis, nested caches and layers, and lists of
-    them. Scalars, flags, configs and 0-dim tensors (a sliding window's size) are bookkeeping, copied as they are."""
+    """Attributes that are a cache's batch state: tensors with a batch axis, nested caches and layers, and lists
+    and dicts of them. Scalars, flags, configs and 0-dim tensors (a sliding window's size) are bookkeeping, copied
+    as they are."""
     if isinstance(v, Tensor):
         return v.dim() > 0
     if isinstance(v, (list, tuple)):
         return any(_is_state(x) for x in v)
+    if isinstance(v, dict):  # a linear-attention layer's conv/recurrent states, by layer index
+        return any(_is_state(x) for x in v.values())
     return is_cache(v)
 
 

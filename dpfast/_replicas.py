@@ -105,15 +105,35 @@ def _same(now: dict, snap: tuple[tuple, tuple]) -> bool:
 
 def _refuse_compiled(root: nn.Module) -> None:
     """A ``torch.compile``'d module cannot be copied: its OptimizedModule forwards ``_parameters`` and ``_modules``
-    to the original, so a copy (torch's replicate too) would empty the original's. Raised before anything is."""
+    to the original, so a copy (torch's replicate too) would empty the original's; a module compiled in place
+    (``module.compile()``) keeps a compiled call bound to itself, which every copy would run. Raised before
+    anything is changed."""
     for name, m in root.named_modules():
+        where = f"`{name}` of the wrapped module" if name else "the wrapped module"
         if type(m).__name__ == "OptimizedModule" and hasattr(m, "_orig_mod"):
-            where = f"`{name}` of the wrapped module" if name else "the wrapped module"
-            raise TypeError(
-                f"{where} is a torch.compile'd module (OptimizedModule); its replicas cannot be made (copying it "
-                "would empty the original's parameters). Compile the wrapper instead: "
-                "torch.compile(dpfast.DataParallel(model, ...)), with the module itself uncompiled inside"
-            )
+            what, why = "a torch.compile'd module (OptimizedModule)", "copying it would empty the original's parameters"
+        elif m.__dict__.get("_compiled_call_impl") is not None:
+            what, why = "compiled in place (module.compile())", "every copy would run the original module"
+        else:
+            continue
+        raise TypeError(
+            f"{where} is {what}; its replicas cannot be made ({why}). Compile the wrapper instead: "
+            "torch.compile(dpfast.DataParallel(model, ...)), with the module itself uncompiled inside"
+        )
+
+
+def _set_via_setattr(r: nn.Module, key: str, t: torch.Tensor) -> None:
+    """A replica's parameter ``key`` on a module whose ``__setattr__`` tracks its weights. Through
+    ``Module.__setattr__`` a Parameter (the module's own, on its device) would be registered on the replica at every
+    step (global registration hooks firing per replica, a non-empty ``parameters()``). An RNN gets what its
+    ``__setattr__`` does without that (the same objects each step, so no re-flattening); other modules a view."""
+    names = r.__dict__.get("_flat_weights_names")
+    flat = r.__dict__.get("_flat_weights")
+    if isinstance(names, list) and isinstance(flat, list) and key in names:
+        r.__dict__[key] = t
+        flat[names.index(key)] = t
+    else:
+        setattr(r, key, t.view_as(t) if isinstance(t, nn.Parameter) else t)
 
 
 class _ReplicaSet:
@@ -250,11 +270,7 @@ class _ReplicaSet:
             # parameters of a replica live as plain attributes (torch's replicate does the same with setattr); a
             # plain dict write is what Module.__setattr__ does for a tensor that is not a registered Parameter
             if via_setattr:
-                # a Parameter (the module's own, on its device) would be registered by Module.__setattr__ (global
-                # registration hooks firing per replica per step); a view is the same tensor to autograd
-                if isinstance(t, nn.Parameter):
-                    t = t.view_as(t)
-                setattr(r, key, t)
+                _set_via_setattr(r, key, t)
             else:
                 r.__dict__[key] = t
             r._former_parameters[key] = t

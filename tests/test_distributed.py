@@ -216,6 +216,7 @@ def _scenarios(world):
     out["sync_batchnorm"] = functools.partial(_sync_batchnorm_vs_full_batch, 7)
     out["sync_batchnorm_rank_without_rows"] = functools.partial(_sync_batchnorm_vs_full_batch, world + 1)
     out["buffers_from_the_first_rank_with_rows"] = _buffers_from_the_first_rank_with_rows
+    out["buffers_without_check_batch"] = _buffers_without_check_batch
     out["no_tensor_to_split"] = _no_tensor_to_split
     out["mismatched_batch"] = _mismatched_batch
     out["one_rank_bad_inputs"] = _one_rank_bad_inputs
@@ -303,6 +304,28 @@ def _buffers_from_the_first_rank_with_rows():
     for (name, b), (_, want) in zip(ddp.module.named_buffers(), dp.module.named_buffers()):
         torch.testing.assert_close(b, want, msg=lambda m, name=name: f"buffer {name}: {m}")
     assert not torch.equal(ddp.module.bn.running_mean, plain.bn.running_mean)
+
+
+class _Seen(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.register_buffer("seen", torch.zeros((), dtype=DT))
+
+    def forward(self, x):
+        self.seen += x.shape[0]
+        return self.lin(x)
+
+
+def _buffers_without_check_batch():
+    """check_batch=False: the ranks may plan different batches, so they cannot be trusted to agree on the first rank
+    with rows; the buffers come from rank 0, as torch's DDP has them (a disagreement was a hang)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ddp = dpfast.DistributedDataParallel(_Seen().to(DT), chunk_sizes=[0] + [1] * (world - 1), check_batch=False)
+    ddp(torch.randn(0 if rank == 0 else 2, 2, dtype=DT)).sum().backward()  # rank 0: nothing to split; the others do
+    ddp(torch.randn(2, 2, dtype=DT)).sum().backward()  # rank 1 had rows first above: a source only it would pick
+    assert ddp._buffer_source == 0
+    dist.barrier()
 
 
 def _cost_balanced_split():

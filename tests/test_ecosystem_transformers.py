@@ -214,6 +214,27 @@ def test_static_cache_counters_are_each_replicas_own():
     assert got.cache.layers[0].cumulative_length.item() == 9
 
 
+def test_linear_attention_cache_states_are_split_and_gathered():
+    """Mamba-style layers keep their conv and recurrent states in dicts by layer index: they were neither split nor
+    gathered (the returned cache held replica 0's 2 rows of 6, and feeding it back raised)."""
+    torch.manual_seed(0)
+    cfg = transformers.FalconMambaConfig(
+        vocab_size=V, hidden_size=16, state_size=4, num_hidden_layers=1, expand=2, conv_kernel=3, use_mambapy=False
+    )
+    m = transformers.FalconMambaForCausalLM(cfg).to(DT).eval()
+    dp = dpfast.DataParallel(m, ["cpu"] * 3)
+    ids = _ids(6, 5)
+    with torch.no_grad():
+        ref, out = m(input_ids=ids, use_cache=True), dp(input_ids=ids, use_cache=True)
+        torch.testing.assert_close(out.logits, ref.logits)
+        for name in ("conv_states", "recurrent_states"):
+            torch.testing.assert_close(getattr(out.cache.layers[0], name), getattr(ref.cache.layers[0], name))
+        nxt = ref.logits[:, -1:].argmax(-1)
+        want = m(input_ids=nxt, cache=copy.deepcopy(ref.cache), use_cache=True)
+        got = dp(input_ids=nxt, cache=out.cache, use_cache=True)
+    torch.testing.assert_close(got.logits, want.logits)
+
+
 def test_t5_outputs_and_gradients_equal_the_model():
     ids, mask, dec = _ids(5, 6), _mask(5, 6), _ids(5, 3, seed=1)
     kwargs = {"attention_mask": mask, "decoder_input_ids": dec, "output_hidden_states": True, "use_cache": False}

@@ -441,7 +441,7 @@ def test_device_check_sees_changes_after_the_first_call():
         dp(_x(4))
 
 
-@pytest.mark.parametrize("where", ["the module", "a submodule"])
+@pytest.mark.parametrize("where", ["the module", "a submodule", "in place"])
 def test_compiled_modules_are_refused_before_anything_is_changed(where):
     """Copying a torch.compile'd module (its OptimizedModule forwards ``_parameters`` to the original) emptied the
     original's parameters: a KeyError, then a model that no longer works. The call refuses it and says what to do;
@@ -450,10 +450,13 @@ def test_compiled_modules_are_refused_before_anything_is_changed(where):
     plain = copy.deepcopy(src)
     if where == "the module":
         model = torch.compile(src, backend="eager")
-    else:
+    elif where == "a submodule":
         src.out = torch.compile(src.out, backend="eager")
         model = src
-    with pytest.raises(TypeError, match=r"torch.compile.*torch.compile\(dpfast.DataParallel\(model"):
+    else:  # Module.compile(): a compiled call bound to the module itself, which every copy would run
+        src.out.compile(backend="eager")
+        model = src
+    with pytest.raises(TypeError, match=r"(torch.compile|compiled in place).*torch.compile\(dpfast.DataParallel\(mo"):
         dpfast.DataParallel(model, ["cpu"] * 3)(_x(7))
     assert len(list(src.parameters())) == len(list(plain.parameters()))
     torch.testing.assert_close(src(_x(7)), plain(_x(7)))

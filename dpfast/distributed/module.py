@@ -210,7 +210,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         assert plan is not None
         args, kw = self._take_share(plan, inputs, kwargs)
         outputs = super().forward(*args, **kw)
-        self._buffer_source = next((r for r, n in enumerate(plan.sizes) if n > 0), 0) if plan.mode == "split" else 0
+        if self.check_batch:  # the ranks agreed on the batch, so on this plan (else they might not: rank 0, as torch)
+            self._buffer_source = next((r for r, n in enumerate(plan.sizes) if n > 0), 0) if plan.mode == "split" else 0
         if not self.gather_outputs:
             return outputs
         return gather_across_ranks(self._group, outputs, self.out_dims, self.dim, self.share)
@@ -251,7 +252,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         """DDP broadcasts the buffers from rank 0 at each forward. A rank that had no rows in the last forward (a
         ``chunk_sizes`` weight of 0) holds buffers its module never updated (BatchNorm statistics that would never
         move), so the first rank that had rows is the source, as ``DataParallel`` keeps the buffers of the first
-        replica that had rows. Every rank computed the same plan, so they agree without asking."""
+        replica that had rows. The ranks agreed on the batch (``check_batch``), so on the plan, and so on the source
+        without asking; with ``check_batch=False`` they might not, and rank 0 stays the source."""
         if self._buffer_source == 0 or self._join_config.enable:
             return super()._sync_buffers()
         with torch.no_grad():

@@ -256,11 +256,12 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         without asking; with ``check_batch=False`` they might not, and rank 0 stays the source."""
         if self._buffer_source == 0 or self._join_config.enable:
             return super()._sync_buffers()
-        with torch.no_grad():
+        with torch.no_grad(), contextlib.ExitStack() as stack:
             self._assign_modules_buffers()
             preserve = getattr(torch.autograd, "_unsafe_preserve_version_counter", None)
-            with preserve(tuple(self.modules_buffers)) if preserve else contextlib.nullcontext():
-                self._sync_module_buffers(self._buffer_source)
+            for b in self.modules_buffers if preserve else ():  # one tensor each: torch 2.4 takes no tuple
+                stack.enter_context(preserve(b))
+            self._sync_module_buffers(self._buffer_source)
 
     def _run_ddp_forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Inside torch's DDP forward (between its pre- and post-forward): an empty share runs an empty slice, or

@@ -7,6 +7,7 @@
 // modes, odd argument types) returns NotImplemented, and the Python wrapper takes the torch.ops path, which
 // handles it and raises the usual errors.
 #include "op_handles.h"
+#include "python_args.h"
 #include "python_calls.h"
 
 #include <ATen/PythonTorchFunctionTLS.h>
@@ -206,14 +207,11 @@ PyObject* py_gather(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 PyMethodDef methods[] = {
-    {"_transpose01", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&py_transpose01)), METH_FASTCALL,
-     "transpose01 for plain tensors; NotImplemented otherwise"},
-    {"_split_contiguous", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&py_split_contiguous)),
-     METH_FASTCALL, "split_contiguous for plain arguments; NotImplemented otherwise"},
-    {"_scatter", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&py_scatter)), METH_FASTCALL,
-     "scatter for plain arguments; NotImplemented otherwise"},
-    {"_gather", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&py_gather)), METH_FASTCALL,
-     "gather for plain arguments; NotImplemented otherwise"},
+    {"_transpose01", DPFAST_FASTCALL(py_transpose01), "transpose01 for plain tensors; NotImplemented otherwise"},
+    {"_split_contiguous", DPFAST_FASTCALL(py_split_contiguous),
+     "split_contiguous for plain arguments; NotImplemented otherwise"},
+    {"_scatter", DPFAST_FASTCALL(py_scatter), "scatter for plain arguments; NotImplemented otherwise"},
+    {"_gather", DPFAST_FASTCALL(py_gather), "gather for plain arguments; NotImplemented otherwise"},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -4,6 +4,8 @@
 // Here B costs are read and split without building B Python integers, which is what made float costs slow.
 #include "python_costs.h"
 
+#include "python_args.h"
+
 #include <ATen/ops/empty.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -49,25 +51,6 @@ at::Tensor checked_tensor(at::Tensor t, int64_t dim, const char* what) {
 at::Tensor unpack_tensor(PyObject* o, const char* what) {
   TORCH_CHECK_TYPE(THPVariable_Check(o), what, " must be a Tensor");
   return THPVariable_Unpack(o);
-}
-
-// An int that fits in int64, else a TypeError/ValueError naming `what` (never an OverflowError).
-int64_t as_int64(PyObject* o, const char* what) {
-  TORCH_CHECK_TYPE(PyLong_Check(o), what, " must be an int");
-  int overflow = 0;
-  const long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
-  if (v == -1 && PyErr_Occurred()) throw python_error();
-  TORCH_CHECK_VALUE(overflow == 0, what, " is out of range");
-  return v;
-}
-
-std::vector<int64_t> int_list(PyObject* seq, const char* what) {
-  TORCH_CHECK_TYPE(PyList_Check(seq) || PyTuple_Check(seq), what, " must be a list or tuple");
-  std::vector<int64_t> out;
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  PyObject** raw = PySequence_Fast_ITEMS(seq);
-  for (Py_ssize_t i = 0; i < n; ++i) out.push_back(as_int64(raw[i], what));
-  return out;
 }
 
 // A value below 2^127 from its (high, low) 64-bit halves, as _splits.py passes them.
@@ -237,15 +220,12 @@ PyObject* py_balanced_bounds(PyObject*, PyObject* const* args, Py_ssize_t nargs)
   END_HANDLE_TH_ERRORS
 }
 
-#define DPFAST_FASTCALL(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&f)), METH_FASTCALL
-
 PyMethodDef methods[] = {
     {"_exact_prefix", DPFAST_FASTCALL(py_exact_prefix), "per-sample costs as 128-bit prefix sums (dpfast/_costs.py)"},
     {"_balanced_bounds", DPFAST_FASTCALL(py_balanced_bounds), "the cost-balanced split's search (dpfast/_splits.py)"},
     {nullptr, nullptr, 0, nullptr},
 };
 
-#undef DPFAST_FASTCALL
 
 }  // namespace
 

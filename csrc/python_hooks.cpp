@@ -2,6 +2,8 @@
 // walk of the CUDA paths, run on the host, so that what does not need a GPU is tested without one.
 #include "python_hooks.h"
 
+#include "python_args.h"
+
 #include "copy_walk.h"
 #include "device_routes.h"
 
@@ -16,29 +18,11 @@
 namespace dpfast {
 namespace {
 
-// A list or tuple as a vector of borrowed items; raises TypeError for anything else.
-std::vector<PyObject*> items(PyObject* seq, const char* what) {
-  TORCH_CHECK_TYPE(PyList_Check(seq) || PyTuple_Check(seq), what, " must be a list or tuple");
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  PyObject** raw = PySequence_Fast_ITEMS(seq);
-  return std::vector<PyObject*>(raw, raw + n);
-}
-
 std::vector<c10::Device> devices_of(PyObject* seq, const char* what) {
   std::vector<c10::Device> out;
-  for (PyObject* o : items(seq, what)) {
+  for (PyObject* o : sequence_items(seq, what)) {
     TORCH_CHECK_TYPE(THPDevice_Check(o), what, " must hold torch.device objects");
     out.push_back(reinterpret_cast<THPDevice*>(o)->device);
-  }
-  return out;
-}
-
-std::vector<int64_t> ints_of(PyObject* seq, const char* what) {
-  std::vector<int64_t> out;
-  for (PyObject* o : items(seq, what)) {
-    const int64_t v = PyLong_AsLongLong(o);
-    if (v == -1 && PyErr_Occurred()) throw python_error();
-    out.push_back(v);
   }
   return out;
 }
@@ -95,8 +79,8 @@ PyObject* py_node_streams(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 PyObject* py_job_offsets(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(nargs == 4, "expected (sizes, src_strides, dst_strides, units)");
-  const auto sizes = ints_of(args[0], "sizes"), ss = ints_of(args[1], "src_strides");
-  const auto ds = ints_of(args[2], "dst_strides"), units = ints_of(args[3], "units");
+  const auto sizes = int_list(args[0], "sizes"), ss = int_list(args[1], "src_strides");
+  const auto ds = int_list(args[2], "dst_strides"), units = int_list(args[3], "units");
   TORCH_CHECK_VALUE(!sizes.empty() && sizes.size() <= static_cast<size_t>(kMaxCopyDims) &&
                         ss.size() == sizes.size() && ds.size() == sizes.size(),
                     "expected 1 to ", kMaxCopyDims, " sizes and as many strides of each side");
@@ -167,7 +151,7 @@ struct HostMover {
 PyObject* py_replay_cuda_copy(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(nargs == 4, "expected (srcs, dsts, blocks, threads)");
-  const auto srcs = items(args[0], "srcs"), dsts = items(args[1], "dsts");
+  const auto srcs = sequence_items(args[0], "srcs"), dsts = sequence_items(args[1], "dsts");
   TORCH_CHECK_VALUE(srcs.size() == dsts.size(), "srcs and dsts differ in length");
   const int64_t blocks = PyLong_AsLongLong(args[2]), threads = PyLong_AsLongLong(args[3]);
   if (PyErr_Occurred()) return nullptr;
@@ -199,8 +183,6 @@ PyObject* py_replay_cuda_copy(PyObject*, PyObject* const* args, Py_ssize_t nargs
   END_HANDLE_TH_ERRORS
 }
 
-#define DPFAST_FASTCALL(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&f)), METH_FASTCALL
-
 PyMethodDef methods[] = {
     {"_side_stream_devices", DPFAST_FASTCALL(py_side_stream_devices), "tests only: scatter's side-stream GPUs"},
     {"_node_streams", DPFAST_FASTCALL(py_node_streams), "tests only: a backward node's own and bridged devices"},
@@ -209,7 +191,6 @@ PyMethodDef methods[] = {
     {nullptr, nullptr, 0, nullptr},
 };
 
-#undef DPFAST_FASTCALL
 
 }  // namespace
 

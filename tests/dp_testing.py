@@ -131,3 +131,14 @@ class Losses(nn.Module):
     def forward(self, x, y):
         pred = self.lin(x)
         return F.mse_loss(pred, y), ((pred - y) ** 2).sum(), pred
+
+
+class PackedLSTM(nn.Module):
+    """A 2-layer LSTM taking a PackedSequence (and an optional state)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(3, 5, num_layers=2)
+
+    def forward(self, ps, hx=None):
+        return self.lstm(ps, hx)

@@ -23,7 +23,7 @@ import dpfast
 from dpfast._splits import balanced_split, split_sizes, validate_chunk_sizes
 from dpfast.distributed import shard_batch
 
-from dp_testing import DT, check_against_module
+from dp_testing import DT, PackedLSTM, check_against_module
 
 ISSUE_LENGTHS = [50, 40, 30, 20, 10, 10, 10, 10, 5, 5, 5, 5]
 
@@ -254,15 +254,6 @@ def test_outputs_and_gradients_equal_the_plain_module(lengths, n):
 
 
 # ---- where the costs come from -----------------------------------------------------------------------------------
-
-
-class PackedLSTM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lstm = nn.LSTM(3, 5, num_layers=2)
-
-    def forward(self, ps, hx=None):
-        return self.lstm(ps, hx)
 
 
 @pytest.mark.parametrize("enforce_sorted", [True, False])

@@ -16,6 +16,8 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pack_sequen
 import dpfast
 import dpfast._transfer as transfer
 
+from dp_testing import PackedLSTM
+
 DT = torch.float64
 
 
@@ -27,15 +29,6 @@ def _weights(t: torch.Tensor) -> torch.Tensor:
 
 
 # ---- PackedSequence through an LSTM -----------------------------------------------------------------------------
-
-
-class PackedLSTM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lstm = nn.LSTM(3, 5, num_layers=2)
-
-    def forward(self, ps, hx=None):
-        return self.lstm(ps, hx)
 
 
 def _packed_case(lengths, enforce_sorted, with_state):

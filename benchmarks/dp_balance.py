@@ -113,9 +113,9 @@ def planning_time(rounds: int, batch: int = 10_000, devices: int = 8) -> dict:
     with ``cost``, and of the cost stage's two parts (reading the costs, the split), interleaved; medians over
     rounds. Measured with 1 intra-op thread and with the default: the cost stage is small tensor ops, which OpenMP
     wake-ups can stall on a busy machine."""
-    from dpfast import _costs
-    from dpfast._costs import read_costs
-    from dpfast._splits import balanced_split
+    from dpfast.plan import costs as _costs
+    from dpfast.plan.costs import read_costs
+    from dpfast.plan.splits import balanced_split
 
     g = torch.Generator().manual_seed(2)
     lengths = torch.tensor(sorted((1 + 999 * torch.rand(batch, generator=g) ** 3).long().tolist(), reverse=True))

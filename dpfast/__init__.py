@@ -12,8 +12,10 @@ __version__ = "0.1.0"  # the one place the version is set (pyproject.toml reads 
 import importlib
 from typing import Any
 
-from . import ops, reference
-from ._extension import build_info
+from . import _flat_layout, ops, reference
+from .ext.loader import build_info
+
+_flat_layout.install()  # objects pickled by the first layout name its module paths
 
 __all__ = [
     "DataParallel",
@@ -32,13 +34,13 @@ __all__ = [
 # Heavier pieces load on first use, so `import dpfast` stays cheap (and torch.distributed is only touched by DDP).
 _LAZY = {
     "DataParallel": ("dpfast.data_parallel", "DataParallel"),
-    "ScatterError": ("dpfast._errors", "ScatterError"),
+    "ScatterError": ("dpfast.plan.errors", "ScatterError"),
     "DistributedDataParallel": ("dpfast.distributed", "DistributedDataParallel"),
     "nn": ("dpfast.nn", None),
-    "all_gather": ("dpfast._collectives", "all_gather"),
-    "all_reduce": ("dpfast._collectives", "all_reduce"),
-    "replica_index": ("dpfast._collectives", "replica_index"),
-    "replica_count": ("dpfast._collectives", "replica_count"),
+    "all_gather": ("dpfast.run.collectives", "all_gather"),
+    "all_reduce": ("dpfast.run.collectives", "all_reduce"),
+    "replica_index": ("dpfast.run.collectives", "replica_index"),
+    "replica_count": ("dpfast.run.collectives", "replica_count"),
 }
 
 

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
-from ._extension import _IN_CHECKOUT, _rebuild_command
+from .ext.loader import _IN_CHECKOUT, _rebuild_command
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 SOURCE_ROOT = PACKAGE_DIR.parent

@@ -17,16 +17,16 @@ from typing import Any, Callable, Union
 import torch
 from torch import nn
 
-from ._binding import ArgumentSpecs, forward_of
-from ._costs import CostSpec
-from ._execute import run_replicas
-from ._gather import gather_outputs
-from ._planning import CallPlan, passthrough_plan, plan_call
-from ._replicas import ReplicaCache, replicate_once
-from ._specs import Spec, validate_spec
-from ._splits import validate_chunk_sizes
-from ._transfer import move_tree, scatter_tree
-from ._workers import WorkerPool
+from .move.gather import gather_outputs
+from .move.scatter import move_tree, scatter_tree
+from .plan.call_plan import CallPlan, passthrough_plan, plan_call
+from .plan.costs import CostSpec
+from .plan.splits import validate_chunk_sizes
+from .run.execute import run_replicas
+from .run.replicas import ReplicaCache, replicate_once
+from .run.workers import WorkerPool
+from .trees.binding import ArgumentSpecs, forward_of
+from .trees.specs import Spec, validate_spec
 
 DeviceLike = Union[int, str, torch.device]
 

@@ -1,5 +1,5 @@
 """``dpfast.nn``: recurrent layers whose state can be batch-first, and ``SyncBatchNorm`` (defined in
-:mod:`dpfast._sync_batchnorm`, which batch-normalizes over the whole batch across replicas or ranks).
+:mod:`dpfast.run.sync_batchnorm`, which batch-normalizes over the whole batch across replicas or ranks).
 
 The recurrent layers exist so that ``dim=0`` data parallelism splits their state correctly.
 
@@ -37,7 +37,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
 from . import ops
-from ._sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
+from .run.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
 __all__ = ["LSTM", "GRU", "RNN", "SyncBatchNorm", "convert_sync_batchnorm"]
 

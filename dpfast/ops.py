@@ -15,9 +15,9 @@ from typing import Union
 import torch
 from torch import Tensor
 
-from . import _op_checks as checks
 from . import reference
-from ._extension import LOADED
+from .ext import op_checks as checks
+from .ext.loader import LOADED
 
 DeviceLike = Union[int, str, torch.device]
 State = Union[Tensor, tuple]
@@ -45,7 +45,7 @@ def _unflatten(op: str, flat: Sequence[Tensor], n_tensors: int, n_chunks: int) -
 
 
 if LOADED:
-    from ._extension import C as _C
+    from .ext.loader import C as _C
 
     _transpose01 = torch.ops.dpfast.transpose01.default
     _split = torch.ops.dpfast.split_contiguous.default

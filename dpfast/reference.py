@@ -12,7 +12,7 @@ from typing import Any, Callable, Union
 import torch
 from torch import Tensor
 
-from . import _op_checks as checks
+from .ext import op_checks as checks
 
 DeviceLike = Union[int, str, torch.device]
 State = Union[Tensor, tuple]

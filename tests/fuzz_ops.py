@@ -355,7 +355,7 @@ def run(seconds: float, seed: int, rounds: int, verbose: bool) -> int:
     print(
         f"fuzz_ops: seed {seed}, {counts['rounds']} calls on 3 paths in {time.monotonic() - start:.0f} s: "
         f"{counts['agreed ok']} identical results, {counts['agreed error']} identical errors; extension "
-        f"{'loaded from ' + dpfast._extension.C.__file__ if dpfast.build_info()['extension_loaded'] else 'NOT loaded'}"
+        f"{'loaded from ' + dpfast.ext.loader.C.__file__ if dpfast.build_info()['extension_loaded'] else 'NOT loaded'}"
     )
     return 0
 

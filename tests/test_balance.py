@@ -20,8 +20,8 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_sequence, pad_packed_sequence
 
 import dpfast
-from dpfast._splits import balanced_split, split_sizes, validate_chunk_sizes
 from dpfast.distributed import shard_batch
+from dpfast.plan.splits import balanced_split, split_sizes, validate_chunk_sizes
 
 from dp_testing import DT, PackedLSTM, check_against_module
 

@@ -12,7 +12,7 @@ from torch import nn
 from torch.cuda import comm
 
 import dpfast
-from dpfast import _broadcast
+from dpfast.move import broadcast as _broadcast
 
 CPU = torch.device("cpu")
 

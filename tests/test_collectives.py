@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dpfast
-from dpfast._rendezvous import CollectiveError
+from dpfast.run.rendezvous import CollectiveError
 
 DT = torch.float64
 
@@ -253,7 +253,7 @@ def test_a_failed_collective_leaves_no_cycle_and_each_replica_its_own_error():
 
 
 def test_a_worker_that_cannot_start_fails_its_replica_instead_of_hanging(monkeypatch):
-    from dpfast import _workers
+    from dpfast.run import workers as _workers
 
     def cannot_start(self, fn, done):
         raise RuntimeError("can't start new thread")

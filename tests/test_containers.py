@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 import dpfast
-from dpfast._tree import flatten, leaf_paths, unflatten
+from dpfast.trees.flatten import flatten, leaf_paths, unflatten
 
 DT = torch.float64
 

@@ -19,7 +19,7 @@ import dpfast
 pytestmark = pytest.mark.skipif(not dpfast.build_info()["extension_loaded"], reason="dpfast._C not built")
 
 if dpfast.build_info()["extension_loaded"]:
-    from dpfast._extension import C
+    from dpfast.ext.loader import C
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")  # unindexed: the current device

@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import dpfast
-import dpfast._splits
-from dpfast._rendezvous import solo_context
+import dpfast.plan.splits
 from dpfast.distributed import DistributedBatchError, shard_batch, shard_dataset, shard_range
+from dpfast.run.rendezvous import solo_context
 
 from dp_testing import MLP, Losses
 
@@ -324,8 +324,8 @@ def _cost_balanced_split():
         ByLength, _lengths_xy(), lambda o: o[0] + o[1].sum(), dict(out_dims=("mean", 0), cost="lengths")
     )
     prefix = [0] + torch.tensor(SORTED_LENGTHS).cumsum(0).long().tolist()
-    assert list(ddp.share.sizes) == dpfast._splits.balanced_split(prefix, world)
-    assert list(ddp.share.sizes) != dpfast._splits.split_sizes(len(SORTED_LENGTHS), world)
+    assert list(ddp.share.sizes) == dpfast.plan.splits.balanced_split(prefix, world)
+    assert list(ddp.share.sizes) != dpfast.plan.splits.split_sizes(len(SORTED_LENGTHS), world)
     x, lengths = _lengths_xy()
     part = shard_batch({"x": x, "lengths": lengths}, cost="batch['lengths']")
     torch.testing.assert_close(part["x"], x[ddp.share.start : ddp.share.stop])
@@ -572,7 +572,7 @@ def test_shard_range_partitions_like_data_parallel():
         for world in (1, 2, 3, 5):
             ranges = [shard_range(n, r, world) for r in range(world)]
             assert [i for rg in ranges for i in rg] == list(range(n))
-            assert [len(rg) for rg in ranges] == dpfast._splits.split_sizes(n, world)
+            assert [len(rg) for rg in ranges] == dpfast.plan.splits.split_sizes(n, world)
 
 
 def test_shard_batch_specs_and_errors():
@@ -606,7 +606,7 @@ def test_shard_batch_packed_sequence_with_empty_shares():
     seqs = [torch.randn(3, 2), torch.randn(2, 2), torch.randn(4, 2)]
     ps = pack_sequence(seqs, enforce_sorted=False)
     for world, weights in ((4, None), (3, [1, 0, 2]), (5, [0, 1, 0, 1, 1])):
-        sizes = dpfast._splits.split_sizes(3, world, dpfast._splits.validate_chunk_sizes(weights, world))
+        sizes = dpfast.plan.splits.split_sizes(3, world, dpfast.plan.splits.validate_chunk_sizes(weights, world))
         start = 0
         for r in range(world):
             if sizes[r] == 0:

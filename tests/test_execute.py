@@ -1,4 +1,4 @@
-"""Running the replicas (dpfast._execute, dpfast._workers): exceptions named by replica and device, nothing left
+"""Running the replicas (dpfast.run.execute, dpfast.run.workers): exceptions named by replica and device, nothing left
 running behind a call, the caller's thread-local state (grad and inference mode, autocast, saved-tensor hooks) in
 every replica thread, and the worker pool across forks."""
 
@@ -205,7 +205,7 @@ def test_forked_child_gets_a_working_pool_even_if_the_lock_was_held():
     """A fork while another thread holds the pool's lock must not leave the child's pool locked forever."""
     import time
 
-    from dpfast._workers import WorkerPool
+    from dpfast.run.workers import WorkerPool
 
     pool = WorkerPool(name="fork-test")
     done = threading.Event()

@@ -1,6 +1,7 @@
 """The 128-bit cost arithmetic of the extension (``dpfast._C._exact_prefix`` and ``_balanced_bounds``) against the
-Python-int reference in dpfast/_costs.py and dpfast/_splits.py: the same exact costs, the same split, and where the
-numbers are too wide for 128 bits, the reference takes over. Bad arguments to the private entry points raise."""
+Python-int reference in dpfast/plan/costs.py and dpfast/plan/splits.py: the same exact costs, the same split, and
+where the numbers are too wide for 128 bits, the reference takes over. Bad arguments to the private entry points
+raise."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpfast import _costs, _splits
-from dpfast._extension import C
-from dpfast._splits import WidePrefix, balanced_split, validate_chunk_sizes
+from dpfast.ext.loader import C
+from dpfast.plan import costs as _costs
+from dpfast.plan import splits as _splits
+from dpfast.plan.splits import WidePrefix, balanced_split, validate_chunk_sizes
 
 pytestmark = pytest.mark.skipif(C is None, reason="the compiled extension is not loaded")
 

@@ -350,7 +350,7 @@ def test_errors(call, exc, match, path, monkeypatch):
 
 @needs_ext
 def test_fast_path_takes_plain_tensors_and_parameters():
-    from dpfast._extension import C
+    from dpfast.ext.loader import C
 
     x = torch.randn(2, 3, 4)
     p = torch.nn.Parameter(torch.randn(2, 5))
@@ -369,7 +369,7 @@ def test_fast_path_defers_what_it_does_not_handle():
     """Subclasses, __torch_function__ modes and unusual argument types go the torch.ops way, not around it."""
     from torch.overrides import TorchFunctionMode
 
-    from dpfast._extension import C
+    from dpfast.ext.loader import C
 
     seen = []
 
@@ -405,7 +405,7 @@ def test_fast_path_is_seen_by_dispatch_modes():
     """The direct path calls the op through the dispatcher, so a TorchDispatchMode still sees it."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from dpfast._extension import C
+    from dpfast.ext.loader import C
 
     seen = []
 

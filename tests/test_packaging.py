@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import dpfast
-from dpfast import _extension
+from dpfast.ext import loader as _extension
 
 PACKAGE = Path(dpfast.__file__).resolve().parent
 # the tests' own source tree (a checkout or an unpacked sdist), which may differ from where dpfast is imported from

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import dpfast
-from dpfast._errors import ScatterError
-from dpfast._splits import split_sizes, validate_chunk_sizes
+from dpfast.plan.errors import ScatterError
+from dpfast.plan.splits import split_sizes, validate_chunk_sizes
 
 # ---- chunk sizes ------------------------------------------------------------------------------------------------
 

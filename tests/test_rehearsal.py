@@ -34,7 +34,7 @@ class Counted(nn.Module):
 
 def _devices_run(module: nn.Module, x: torch.Tensor, n: int) -> torch.Tensor:
     """What n separate devices do: replica 0 is the module itself, every other one a copy taken before any ran."""
-    sizes = dpfast._splits.split_sizes(x.shape[0], n)
+    sizes = dpfast.plan.splits.split_sizes(x.shape[0], n)
     chunks = torch.split(x, sizes)
     before = copy.deepcopy(module)
     outs = [module(chunks[0])] + [copy.deepcopy(before)(c) for c in chunks[1:]]

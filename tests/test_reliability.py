@@ -20,7 +20,7 @@ from torch.nn.utils.rnn import pack_sequence
 
 import dpfast
 from dpfast import reference
-from dpfast._splits import split_sizes
+from dpfast.plan.splits import split_sizes
 
 from dp_testing import MLP
 

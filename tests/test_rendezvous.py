@@ -1,4 +1,4 @@
-"""The turn-taking of replicas (dpfast._rendezvous.Call), driven directly with stand-in devices: replicas of one
+"""The turn-taking of replicas (dpfast.run.rendezvous.Call), driven directly with stand-in devices: replicas of one
 device never run at the same time and take turns in a fixed order, every device runs concurrently, collectives
 complete with every replica's deposit, and a replica that fails or skips a collective never leaves another
 waiting."""
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dpfast._rendezvous import Call, CollectiveError
+from dpfast.run.rendezvous import Call, CollectiveError
 
 
 def _run_call(devices, behaviour, timeout=30):

@@ -1,7 +1,7 @@
 """Persistent replicas (built once, refreshed every step, rebuilt when the module changes) and the worker pool.
 
 Replicas on the module's own device are the module itself, so on the CPU the copy machinery is exercised with the
-private switch ``dpfast._replicas._COPY_ON_SOURCE_DEVICE``: every slot after the first gets its own copy, as if it
+private switch ``dpfast.run.replicas._COPY_ON_SOURCE_DEVICE``: every slot after the first gets its own copy, as if it
 were another device. Everything runs in float64 so that outputs and gradients can be compared with the plain module.
 No timing assertions here: see benchmarks/bench_dp.py.
 """
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import dpfast
-from dpfast import _replicas
+from dpfast.run import replicas as _replicas
 
 DT = torch.float64
 

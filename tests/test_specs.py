@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import dpfast
-from dpfast._binding import ArgumentSpecs, ArgumentTree
-from dpfast._tree import flatten, leaf_paths, unflatten
+from dpfast.trees.binding import ArgumentSpecs, ArgumentTree
+from dpfast.trees.flatten import flatten, leaf_paths, unflatten
 
 Pair = namedtuple("Pair", ["a", "b"])
 

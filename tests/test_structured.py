@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pack_sequence, pad_packed_sequence
 
 import dpfast
-import dpfast._transfer as transfer
+import dpfast.move.scatter as transfer
 
 from dp_testing import PackedLSTM
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import dpfast
-from dpfast import _compat
+from dpfast.ext import torch_compat as _compat
 
 
 @pytest.fixture

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .._errors import ScatterError
-from .._planning import CallPlan
-from .._render import shape_text
-from .collectives import RankGroup, fingerprint
+from ..plan.call_plan import CallPlan
+from ..plan.errors import ScatterError
+from ..plan.render import shape_text
+from .exchanges import RankGroup, fingerprint
 
 
 class DistributedBatchError(ScatterError):

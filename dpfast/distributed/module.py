@@ -43,7 +43,7 @@ output either in every rank's loss or in none) and call ``backward``: the gather
 
 Gradients w.r.t. the call's tensor inputs (those with ``requires_grad``, e.g. a learned initial state) are
 averaged over ranks like the parameters' (one all-reduce in backward, through
-:class:`~dpfast.distributed.collectives.AverageInputGrads`), so with ``gather_outputs`` every rank's ``x.grad`` is
+:class:`~dpfast.distributed.exchanges.AverageInputGrads`), so with ``gather_outputs`` every rank's ``x.grad`` is
 the full-batch one too.
 
 Without ``gather_outputs`` you get this rank's outputs and DDP's usual semantics: gradients are averaged over ranks.
@@ -65,15 +65,15 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.utils import _to_kwargs
 
-from .._binding import ArgumentSpecs, ArgumentTree, forward_of
-from .._costs import CostSpec
-from .._errors import ScatterError
-from .._planning import CallPlan, plan_call
-from .._specs import Spec, SpecLeaf, match_spec, validate_spec
-from .._splits import validate_chunk_sizes
-from .._tree import unflatten
+from ..plan.call_plan import CallPlan, plan_call
+from ..plan.costs import CostSpec
+from ..plan.errors import ScatterError
+from ..plan.splits import validate_chunk_sizes
+from ..trees.binding import ArgumentSpecs, ArgumentTree, forward_of
+from ..trees.flatten import unflatten
+from ..trees.specs import Spec, SpecLeaf, match_spec, validate_spec
 from .agreement import agree_on_batch
-from .collectives import AverageInputGrads, RankGroup, ZeroOut
+from .exchanges import AverageInputGrads, RankGroup, ZeroOut
 from .outputs import gather_across_ranks
 from .sharding import Share, take_rows
 

@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
-from .._specs import Spec, SpecLeaf, match_spec
-from .._tree import TreeDef, unflatten
-from .collectives import Exchange, OutputExchange, RankGroup, fingerprint
+from ..trees.flatten import TreeDef, unflatten
+from ..trees.specs import Spec, SpecLeaf, match_spec
+from .exchanges import Exchange, OutputExchange, RankGroup, fingerprint
 from .sharding import Share
 
 

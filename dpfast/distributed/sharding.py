@@ -12,13 +12,13 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .._binding import ArgumentSpecs, ArgumentTree
-from .._costs import CostSpec
-from .._nested import scatter_jagged
-from .._planning import Mapped, plan_call
-from .._specs import Spec, validate_spec
-from .._splits import split_sizes, validate_chunk_sizes
-from .._transfer import scatter_packed
+from ..move.nested import scatter_jagged
+from ..move.scatter import scatter_packed
+from ..plan.call_plan import Mapped, plan_call
+from ..plan.costs import CostSpec
+from ..plan.splits import split_sizes, validate_chunk_sizes
+from ..trees.binding import ArgumentSpecs, ArgumentTree
+from ..trees.specs import Spec, validate_spec
 
 
 class Share(NamedTuple):

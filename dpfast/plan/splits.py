@@ -15,7 +15,7 @@ from typing import overload
 
 from torch import Tensor
 
-from ._extension import C
+from ..ext.loader import C
 
 _MASK64 = (1 << 64) - 1
 _NATIVE_BITS = 126  # dpfast._C._balanced_bounds keeps every counted cost below 2^126
@@ -74,7 +74,7 @@ def balanced_split(prefix: Sequence[int], n: int, weights: Sequence[Fraction] | 
     """Contiguous per-device sizes that minimize the largest device cost relative to its weight.
 
     ``prefix`` holds the prefix sums of ``B`` non-negative **integer** costs (``prefix[0] == 0``, ``B =
-    len(prefix) - 1``; :mod:`dpfast._costs` makes any costs exact integers). Weight-0 devices get nothing.
+    len(prefix) - 1``; :mod:`dpfast.plan.costs` makes any costs exact integers). Weight-0 devices get nothing.
 
     Exact: scale the weights to integers ``W_j`` with ``L = lcm(W)``; a device's cost ``C`` then counts as the
     integer ``C * (L // W_j)``, so the optimum ``U*`` is an integer and the smallest ``U`` at which the devices, in

@@ -5,7 +5,7 @@ the module's parameters (no copy: gradients sum onto them) but has its own buffe
 start of each call, and its own attributes: whatever its forward changes is discarded, as it is on another GPU,
 so a BatchNorm counts one batch per call (replica 0's) and nothing races. Replicas on another (CUDA) device get
 that device's copy of the parameters (one coalesced broadcast per device, shared by its replicas, connected to the
-originals by autograd as with ``torch.nn.parallel.replicate``, through ``dpfast._broadcast.BroadcastToOthers``,
+originals by autograd as with ``torch.nn.parallel.replicate``, through ``dpfast.move.broadcast.BroadcastToOthers``,
 which makes no copy for the source) and buffers of their own.
 
 The replicas are **persistent**: :class:`ReplicaCache` builds the module tree once per list of replica devices, and
@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ._broadcast import broadcast, buffer_copies, fresh
+from ..move.broadcast import broadcast, buffer_copies, fresh
 
 # Private test switch: when true, every slot after the first on the source device gets its own full copy of the
 # parameters (as if it were another device), so that the copy machinery (broadcast, refresh, invalidation,

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
-from ._tree import (
+from .flatten import (
     LEAF,
     TreeDef,
     child_path,

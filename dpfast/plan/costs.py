@@ -6,7 +6,7 @@ finite numbers ``>= 0``: a 1-D tensor, a list/tuple/numpy array of numbers, or a
 lengths, in the caller's order).
 
 Costs become exact integers times one common scale (a float is an integer times a power of two, so shifting by
-the smallest exponent loses nothing). :func:`dpfast._splits.balanced_split` then compares sums of costs without
+the smallest exponent loses nothing). :func:`dpfast.plan.splits.balanced_split` then compares sums of costs without
 rounding: float prefix sums could rank two splits wrongly, or differently on two ranks. Tensors and lists of
 costs go to ``dpfast._C._exact_prefix`` (128-bit prefix sums, no Python int per sample); the code here is the same
 arithmetic on Python ints, for sums of 125 bits or more, ints beyond int64, mixed numbers, and without the
@@ -29,10 +29,10 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
-from ._binding import ArgumentSpecs
-from ._extension import C
-from ._splits import WidePrefix
-from ._tree import child_path, describe_value
+from ..ext.loader import C
+from ..trees.binding import ArgumentSpecs
+from ..trees.flatten import child_path, describe_value
+from .splits import WidePrefix
 
 _INT64_MAX = 2**63 - 1
 _WHAT = "costs are one number per sample: a 1-D tensor, a list or tuple of numbers, or a PackedSequence"

@@ -9,8 +9,8 @@ order: positional, then keyword). So ``f(x, h)`` with ``x`` ``(B, T, F)`` and an
 ``(L, B, H)`` under the default ``dim=0`` reads ``B`` from ``x`` and reports ``h[0]`` and ``h[1]`` as the mismatch,
 with ``in_dims={'h': 1}`` as the fix.
 
-With ``cost`` (a :class:`~dpfast._costs.CostSpec`) the per-device sizes minimize the largest device cost instead of
-evening out counts (:func:`~dpfast._splits.balanced_split`); the costs are read and checked once ``B`` is known.
+With ``cost`` (a :class:`~dpfast.plan.costs.CostSpec`) the per-device sizes minimize the largest device cost instead of
+evening out counts (:func:`~dpfast.plan.splits.balanced_split`); the costs are read and checked once ``B`` is known.
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
-from ._binding import ArgumentSpecs, ArgumentTree
-from ._costs import Balance, CostSpec
-from ._errors import ScatterError
-from ._nested import nested_problem
-from ._render import plan_text, scatter_message
-from ._specs import ITEMS
-from ._splits import balanced_split, split_sizes
-from ._tree import packed_batch
+from ..trees.binding import ArgumentSpecs, ArgumentTree
+from ..trees.flatten import packed_batch
+from ..trees.specs import ITEMS
+from .costs import Balance, CostSpec
+from .errors import ScatterError
+from .nested import nested_problem
+from .render import plan_text, scatter_message
+from .splits import balanced_split, split_sizes
 
 
 class Mapped:

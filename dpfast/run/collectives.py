@@ -1,7 +1,7 @@
 """Collectives a model calls inside ``forward``: ``all_gather``, ``all_reduce``, ``replica_index``, ``replica_count``.
 
 One model code runs unchanged everywhere: inside a ``DataParallel`` call they work across that call's replicas
-(through :mod:`dpfast._rendezvous`); under an initialized ``torch.distributed`` process group (e.g. inside
+(through :mod:`dpfast.run.rendezvous`); under an initialized ``torch.distributed`` process group (e.g. inside
 ``dpfast.DistributedDataParallel``) across its ranks; otherwise they are the identity, replica 0 of 1.
 
 All are differentiable. Across replicas the results are built with autograd ops from every replica's tensor, so
@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import ops
-from ._rendezvous import Collective, current
+from .. import ops
+from .rendezvous import Collective, current
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
 

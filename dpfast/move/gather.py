@@ -16,11 +16,11 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
-from . import ops
-from ._nested import gather_jagged
-from ._specs import ITEMS, Spec, SpecLeaf, match_spec
-from ._transfer import inverse, memory_order, move, move_all
-from ._tree import describe_value, flatten_like, is_namedtuple, unflatten
+from .. import ops
+from ..trees.flatten import describe_value, flatten_like, is_namedtuple, unflatten
+from ..trees.specs import ITEMS, Spec, SpecLeaf, match_spec
+from .nested import gather_jagged
+from .scatter import inverse, memory_order, move, move_all
 
 
 def gather_outputs(

@@ -3,8 +3,8 @@
 The walker is our own and deliberately small. Containers: tuples, lists, namedtuples, dataclass instances (also
 those that are mappings too, like HF's ``ModelOutput``: by their fields, ``None`` ones included), every
 ``collections.abc.Mapping`` (``dict`` and its subclasses, ``UserDict``, HF's ``BatchEncoding``), types registered
-with ``torch.utils._pytree``, and transformers' KV caches (:mod:`dpfast._nodes`). Tensors, ``None`` and
-``PackedSequence`` (split by sequence as a whole, see :mod:`dpfast._transfer`) are leaves; everything else is an
+with ``torch.utils._pytree``, and transformers' KV caches (:mod:`dpfast.trees.library_types`). Tensors, ``None`` and
+``PackedSequence`` (split by sequence as a whole, see :mod:`dpfast.move.scatter`) are leaves; everything else is an
 opaque leaf passed by reference. A container whose children all come back unchanged is returned as itself.
 
 Paths name a leaf the way you would write it in Python: ``x``, ``h[0]``, ``batch['mask']``, ``state.h``
@@ -23,7 +23,15 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
-from ._nodes import cache_children, cache_rebuild, is_cache, key_name, pytree_children, pytree_node, pytree_rebuild
+from .library_types import (
+    cache_children,
+    cache_rebuild,
+    is_cache,
+    key_name,
+    pytree_children,
+    pytree_node,
+    pytree_rebuild,
+)
 
 
 def is_namedtuple(obj: Any) -> bool:

@@ -12,8 +12,8 @@ import warnings
 from collections.abc import Sequence
 from typing import Any, Callable
 
-from ._specs import ITEMS, Spec, SpecLeaf, is_int, is_leaf_spec, match_spec, validate_spec
-from ._tree import TreeDef, unflatten_from
+from .flatten import TreeDef, unflatten_from
+from .specs import ITEMS, Spec, SpecLeaf, is_int, is_leaf_spec, match_spec, validate_spec
 
 
 def forward_of(module: Any) -> Callable:
@@ -228,7 +228,7 @@ class ArgumentTree:
 
     def rebuild(self, new_leaves: Sequence[Any], own_caches: bool = False) -> tuple[tuple, dict]:
         """The call's ``(args, kwargs)`` with the leaves replaced by ``new_leaves`` (same order); ``own_caches``
-        makes every KV cache a new object (a replica's own, see :func:`~dpfast._tree.unflatten_from`)."""
+        makes every KV cache a new object (a replica's own, see :func:`~dpfast.trees.flatten.unflatten_from`)."""
         it = iter(new_leaves)
         values = [unflatten_from(d, it, own_caches) for d in self.arg_defs]
         return tuple(values[: self.n_args]), dict(zip(self.kw_keys, values[self.n_args :]))

@@ -1,4 +1,4 @@
-"""Scatter whole argument trees to the replicas through :mod:`dpfast.ops` (the way out is :mod:`dpfast._gather`).
+"""Scatter whole argument trees to the replicas through :mod:`dpfast.ops` (the way out is :mod:`dpfast.move.gather`).
 
 All tensors that share a source device, a batch axis and a memory format move in one ``ops.scatter`` call (one
 pack, one copy per device), so an LSTM state ``(h, c)`` costs one call, not two. Everything is differentiable:
@@ -17,11 +17,11 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
-from . import ops
-from ._binding import ArgumentTree
-from ._nested import scatter_jagged
-from ._planning import Mapped
-from ._tree import flatten, unflatten
+from .. import ops
+from ..plan.call_plan import Mapped
+from ..trees.binding import ArgumentTree
+from ..trees.flatten import flatten, unflatten
+from .nested import scatter_jagged
 
 _LAST = {4: (torch.channels_last, (0, 2, 3, 1)), 5: (torch.channels_last_3d, (0, 2, 3, 4, 1))}
 

@@ -1,6 +1,6 @@
 """Every table dpfast prints: the ``plan()`` of a call, and the :class:`~dpfast.ScatterError` with its suggested fix.
 
-Pure text: nothing here decides anything about a call. The planning stage (:mod:`dpfast._planning`) decides and
+Pure text: nothing here decides anything about a call. The planning stage (:mod:`dpfast.plan.call_plan`) decides and
 raises; this module words it.
 """
 
@@ -13,8 +13,8 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
-from ._specs import ITEMS, Spec, spec_tree_repr
-from ._tree import packed_batch
+from ..trees.flatten import packed_batch
+from ..trees.specs import ITEMS, Spec, spec_tree_repr
 
 
 def table(rows: Sequence[Sequence[str]]) -> list[str]:
@@ -154,7 +154,7 @@ def _has_items_list(tdef: Any, batch: int | None) -> bool:
 
 
 def plan_text(plan: Any) -> str:
-    """``str()`` of a :class:`~dpfast._planning.CallPlan`: a headline, then one row per argument leaf with its
+    """``str()`` of a :class:`~dpfast.plan.call_plan.CallPlan`: a headline, then one row per argument leaf with its
     shape, spec and what each replica gets."""
     mode = plan.mode
     if mode == "passthrough":

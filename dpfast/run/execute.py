@@ -1,10 +1,10 @@
 """Run a call's replicas, like ``torch.nn.parallel.parallel_apply``: replicas on different devices concurrently,
-replicas sharing a device one at a time (:mod:`dpfast._rendezvous`), so a rehearsal on one device runs inline.
+replicas sharing a device one at a time (:mod:`dpfast.run.rendezvous`), so a rehearsal on one device runs inline.
 
 Grad mode, inference mode, autocast, saved-tensor hooks (``torch.autograd.graph.save_on_cpu`` and the like) and
 each CUDA device's current stream are thread-local in PyTorch, so they are read in the caller and re-entered in each
 worker task (and left when it ends, so nothing leaks into the next task). Worker threads come from the caller's
-:class:`~dpfast._workers.WorkerPool` (torch's parallel_apply starts fresh threads every step, and a fresh thread
+:class:`~dpfast.run.workers.WorkerPool` (torch's parallel_apply starts fresh threads every step, and a fresh thread
 pays for its first ATen call; benchmarks/RESULTS.md has the figures). A call returns or raises only after every one
 of its tasks has finished, so no work is left running behind it. A single replica runs inline and its exceptions
 propagate unchanged.
@@ -20,9 +20,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ._collectives import check_collective
-from ._rendezvous import Call, solo_context
-from ._workers import WorkerPool
+from .collectives import check_collective
+from .rendezvous import Call, solo_context
+from .workers import WorkerPool
 
 
 class _State:
@@ -61,7 +61,7 @@ def _saved_tensors_hooks() -> tuple[tuple[Callable, Callable] | None, bool]:
     whether some are set that this torch cannot read (< 2.8: the workers then run without them, with a warning)."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     if top is None:
-        from ._compat import saved_tensors_hooks_set
+        from ..ext.torch_compat import saved_tensors_hooks_set
 
         return None, torch.is_grad_enabled() and saved_tensors_hooks_set()
     return top(False), False
@@ -97,7 +97,7 @@ def run_replicas(
     """``modules[i](*inputs[i][0], **inputs[i][1])`` for every ``i``; results in replica order.
 
     Replicas on different devices run concurrently; replicas sharing a device take turns (see
-    :mod:`dpfast._rendezvous`), so a rehearsal on one device is deterministic and runs inline.
+    :mod:`dpfast.run.rendezvous`), so a rehearsal on one device is deterministic and runs inline.
     """
     n = len(modules)
     if n == 1:
@@ -140,7 +140,7 @@ def run_replicas(
     finally:
         _wait_all(tasks)
     if tasks and state.hooks_unreadable:  # some replicas ran on workers, without the caller's hooks
-        from ._compat import warn_saved_tensors_hooks_unreadable
+        from ..ext.torch_compat import warn_saved_tensors_hooks_unreadable
 
         warn_saved_tensors_hooks_unreadable()
     for j, exc in call.start_errors.items():

@@ -1,5 +1,5 @@
 """``dpfast.nn.SyncBatchNorm``: batch statistics over the whole batch, across a DataParallel call's replicas or a
-process group's ranks (through :mod:`dpfast._collectives`); BatchNorm when there is nothing to sync with.
+process group's ranks (through :mod:`dpfast.run.collectives`); BatchNorm when there is nothing to sync with.
 
 The statistics are two exact passes (the mean from the summed values and counts, then the variance from the
 summed squared deviations), built from differentiable collectives, so the gradients are the full-batch ones and a
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ._collectives import all_reduce, replica_count
+from .collectives import all_reduce, replica_count
 
 
 class SyncBatchNorm(_BatchNorm):

@@ -1,4 +1,4 @@
-"""The exceptions dpfast raises for a call it cannot plan (their messages are worded by :mod:`dpfast._render`)."""
+"""The exceptions dpfast raises for a call it cannot plan (their messages are worded by :mod:`dpfast.plan.render`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Containers that other libraries define, for :mod:`dpfast._tree`: types registered with ``torch.utils._pytree``
-(``collections.deque``, HF's ``ModelOutput`` classes, anything a user registers), walked through their registered
-flatten/unflatten; and transformers' KV caches (``Cache`` and its layers), which transformers does not register
-unless asked to (for ``torch.export``), walked through their attributes.
+"""Containers that other libraries define, for :mod:`dpfast.trees.flatten`: types registered with
+``torch.utils._pytree`` (``collections.deque``, HF's ``ModelOutput`` classes, anything a user registers), walked
+through their registered flatten/unflatten; and transformers' KV caches (``Cache`` and its layers), which
+transformers does not register unless asked to (for ``torch.export``), walked through their attributes.
 
 Nothing here imports transformers: a Cache can only be passed in once transformers is imported, so its classes are
 looked up in ``sys.modules``.

@@ -18,7 +18,7 @@ from types import ModuleType
 
 import torch
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the dpfast package, where _C and its record lie
 _CHECKOUT = os.path.dirname(_HERE)
 _IN_CHECKOUT = os.path.isfile(os.path.join(_CHECKOUT, "setup.py"))
 
@@ -102,7 +102,7 @@ LOADED: bool = C is not None
 
 def build_info() -> dict:
     """Facts about this build: versions, whether the extension loaded, and which kernels were compiled."""
-    from . import __version__
+    from .. import __version__
 
     record = RECORD or {}
     info: dict = {

@@ -1,0 +1,59 @@
+"""The module paths of dpfast's first, flat layout (``dpfast._binding``, ``dpfast._replicas``, ...), importable as
+aliases of the stage modules that hold their code now, so that a model saved whole with ``torch.save`` by that
+layout (its pickle names classes by module path) still loads. Nothing in dpfast imports these names.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+from types import ModuleType
+
+# old module -> the module that holds its code now
+MOVED = {
+    "dpfast._extension": "dpfast.ext.loader",
+    "dpfast._compat": "dpfast.ext.torch_compat",
+    "dpfast._op_checks": "dpfast.ext.op_checks",
+    "dpfast._nodes": "dpfast.trees.library_types",
+    "dpfast._tree": "dpfast.trees.flatten",
+    "dpfast._specs": "dpfast.trees.specs",
+    "dpfast._binding": "dpfast.trees.binding",
+    "dpfast._nested": "dpfast.move.nested",
+    "dpfast._splits": "dpfast.plan.splits",
+    "dpfast._costs": "dpfast.plan.costs",
+    "dpfast._render": "dpfast.plan.render",
+    "dpfast._errors": "dpfast.plan.errors",
+    "dpfast._planning": "dpfast.plan.call_plan",
+    "dpfast._transfer": "dpfast.move.scatter",
+    "dpfast._gather": "dpfast.move.gather",
+    "dpfast._broadcast": "dpfast.move.broadcast",
+    "dpfast._replicas": "dpfast.run.replicas",
+    "dpfast._workers": "dpfast.run.workers",
+    "dpfast._rendezvous": "dpfast.run.rendezvous",
+    "dpfast._collectives": "dpfast.run.collectives",
+    "dpfast._execute": "dpfast.run.execute",
+    "dpfast._sync_batchnorm": "dpfast.run.sync_batchnorm",
+    "dpfast.distributed.collectives": "dpfast.distributed.exchanges",
+}
+
+
+class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports an old path as the very module object of its new path (so classes are identical)."""
+
+    def find_spec(self, name: str, path=None, target=None):  # noqa: ANN001 - importlib's signature
+        if name not in MOVED:
+            return None
+        return importlib.machinery.ModuleSpec(name, self)
+
+    def create_module(self, spec) -> ModuleType:  # noqa: ANN001
+        return importlib.import_module(MOVED[spec.name])
+
+    def exec_module(self, module: ModuleType) -> None:
+        pass
+
+
+def install() -> None:
+    if not any(isinstance(f, _Alias) for f in sys.meta_path):
+        sys.meta_path.append(_Alias())

@@ -15,12 +15,14 @@ medians of the per-round ratios, so they compare like with like on a noisy machi
 
 One step = zero the grads, one RRN call ``model(x, x, (h0, c0))``, cross-entropy on the output, ``backward()``.
 
-Two more sections: the fixed cost per extra replica (``--section replicas``, benchmarks/dp_replicas.py) and
-balanced work with ``cost=`` (``--section balance``, benchmarks/dp_balance.py).
+More sections: the fixed cost per extra replica (``--section replicas``, benchmarks/dp_replicas.py), balanced work
+with ``cost=`` (``--section balance``, benchmarks/dp_balance.py) and per-leaf and per-call overhead against the same
+work written by hand (``--section overhead``, benchmarks/dp_overhead.py).
 
 Prints tables, writes ``benchmarks/results/bench_dp.json`` and ``bench_dp.png`` (or ``--out DIR``).
 
-    python benchmarks/bench_dp.py [--device cpu|cuda] [--quick] [--section all|rrn|replicas|balance] [--out DIR]
+    python benchmarks/bench_dp.py [--device cpu|cuda] [--quick] [--section all|rrn|replicas|balance|overhead]
+        [--out DIR]
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ import dpfast  # noqa: E402
 sys.path.insert(0, HERE)  # the sections' modules beside this file
 from _timing import measure, ratio  # noqa: E402
 from dp_balance import PACKED_HIDDEN, PACKED_IN, planning_time, plot_balance, print_balance, run_balance  # noqa: E402
+from dp_overhead import print_overhead, run_overhead  # noqa: E402
 from dp_replicas import print_replicas, run_replicas  # noqa: E402
 
 try:
@@ -303,9 +306,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer sizes and rounds (about 25 s on the CPU)")
     parser.add_argument(
         "--section",
-        choices=["all", "rrn", "replicas", "balance"],
+        choices=["all", "rrn", "replicas", "balance", "overhead"],
         default="all",
-        help="rrn: the seed-000 step; replicas: fixed cost per extra replica; balance: cost=",
+        help="rrn: the seed-000 step; replicas: fixed cost per extra replica; balance: cost=; overhead: per leaf and "
+        "per call",
     )
     parser.add_argument("--out", default=os.path.join(HERE, "results"), help="directory for the JSON and PNG")
     args = parser.parse_args(argv)
@@ -318,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     budget, rounds = (1.8, 5) if args.quick else (7.0, 9)
     t0 = time.perf_counter()
     notes: list[str] = []
-    rows, replica_rows, balance_rows, planning = [], [], [], None
+    rows, replica_rows, balance_rows, planning, overhead = [], [], [], None, None
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "bench_dp.json")
     if args.section in ("all", "rrn"):
@@ -341,6 +345,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             torch.set_num_threads(threads)
         planning = planning_time(rounds)
         print_balance(balance_rows, planning)
+    if args.section in ("all", "overhead") and device.type == "cpu":
+        overhead = run_overhead(args.quick, budget, rounds)
+        print_overhead(overhead)
 
     result = {
         "benchmark": "bench_dp",
@@ -375,6 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "rows": balance_rows,
             "planning": planning,
         },
+        "overhead": overhead,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     _save(result, path)

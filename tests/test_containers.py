@@ -17,7 +17,7 @@ from torch import nn
 import dpfast
 from dpfast.trees.flatten import flatten, leaf_paths, unflatten
 
-DT = torch.float64
+from dp_testing import DT
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 import dpfast
 
-DT = torch.float64
+from dp_testing import DT
 
 
 class Counted(nn.Module):

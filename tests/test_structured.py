@@ -16,10 +16,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pack_sequen
 import dpfast
 import dpfast.move.scatter as transfer
 
-from dp_testing import PackedLSTM
-
-DT = torch.float64
-
+from dp_testing import DT, PackedLSTM
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

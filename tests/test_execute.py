@@ -151,7 +151,7 @@ def test_replicas_run_in_threads_with_grad_inference_and_autocast_state():
 @pytest.mark.skipif(
     not hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks"),
     reason="passing saved-tensor hooks to worker threads needs torch >= 2.8 (older torch: a warning, "
-    "tests/test_torch_versions.py)",
+    "tests/test_torch_version_fallbacks.py)",
 )
 def test_saved_tensor_hooks_reach_every_replica():
     """save_on_cpu-style hooks set around the call apply in the worker threads too, and only during the call."""

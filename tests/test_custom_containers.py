@@ -162,7 +162,7 @@ pytree.register_pytree_node(
         [(pytree.GetAttrKey("first"), p.first), (pytree.GetAttrKey("second"), p.second)],
         p.tag,
     ),
-    serialized_type_name="tests.test_containers.Pair",
+    serialized_type_name="tests.test_custom_containers.Pair",
 )
 
 

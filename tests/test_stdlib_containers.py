@@ -181,6 +181,19 @@ def test_non_tensor_outputs_once_when_equal_else_one_per_replica():
     assert n == 7
 
 
+def test_non_tensors_under_default_dim_pass_by_reference():
+    seen = []
+
+    class M(nn.Module):
+        def forward(self, x, lengths, mask=None):
+            seen.append((lengths, mask))
+            return x
+
+    lengths, cfg = [3, 2, 2, 1], {"causal": True}
+    dpfast.DataParallel(M(), ["cpu"] * 2)(torch.randn(4, 3), lengths, cfg)
+    assert len(seen) == 2 and all(a is lengths and b is cfg for a, b in seen)
+
+
 # ---- errors -----------------------------------------------------------------------------------------------------
 
 

@@ -1,18 +1,18 @@
 """The transfer stages of a DataParallel call: argument trees scattered to the replicas, output trees gathered back
-(concatenation, stacking of 0-dim outputs, None, sum/mean), their errors and warnings, and scatter -> gather
-as the identity. (PackedSequences are in test_packed_sequence.py.)"""
+(concatenation, stacking of 0-dim outputs, None, sum/mean), their errors and warnings, and scatter -> replicas ->
+gather as the identity. (PackedSequences are in test_packed_sequence.py.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 import dpfast
 
-from dp_testing import DT, Losses
+from dp_testing import DT, Losses, same_tensor, tensors
 
 # ---- output errors ---------------------------------------------------------------------------------------------------
 
@@ -183,3 +183,37 @@ def test_scatter_gather_identity(data):
     if batch:
         out_a.sum().backward()
         assert torch.equal(a.grad, torch.ones_like(a))
+
+
+@st.composite
+def dp_case(draw):
+    t = draw(tensors())
+    dim = draw(st.integers(-t.dim(), t.dim() - 1))
+    n = draw(st.integers(1, 5))
+    weights = draw(
+        st.one_of(st.none(), st.lists(st.integers(0, 3), min_size=n, max_size=n).filter(lambda w: sum(w) > 0))
+    )
+    return t, dim, n, weights
+
+
+@pytest.mark.usefixtures("one_thread")
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dp_case())
+def test_property_data_parallel_identity_and_plan(case):
+    t, dim, n, weights = case
+    seen = []
+
+    class Record(nn.Module):
+        def forward(self, x):
+            seen.append(x.shape[dim])
+            return x
+
+    dp = dpfast.DataParallel(Record(), ["cpu"] * n, dim=dim, chunk_sizes=weights)
+    plan = dp.plan(t)
+    out = dp(t)
+    assert same_tensor(out, t.contiguous() if n > 1 else t)  # scatter -> replicas -> gather is the identity, bit-exact
+    b = t.shape[dim]
+    if n > 1 and b > 0:
+        assert sum(plan.sizes) == b and sorted(seen) == sorted(s for s in plan.sizes if s > 0)
+        if weights is None:
+            assert max(plan.sizes) - min(plan.sizes) <= 1

@@ -35,13 +35,16 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(_INT_OF_WIDTH[t.element_size()])
 
 
-def assert_bitexact(actual: torch.Tensor, expected: torch.Tensor) -> None:
+def assert_bitexact(actual: torch.Tensor, expected: torch.Tensor, *, contiguous: bool = True) -> None:
     """``actual`` (an op's or a gather's output) is ``expected`` bit for bit: same shape, dtype and device, every
-    element's bits equal, and ``actual`` contiguous, as every output of the fused ops is (strides of size-1 axes do
-    not matter, as for ``is_contiguous``)."""
+    element's bits equal, and ``actual`` a materialized tensor (no lazy conjugate or negative bit) that is
+    contiguous, as every output of the fused ops is (strides of size-1 axes do not matter, as for
+    ``is_contiguous``). ``contiguous=False`` is for a strided destination written in place."""
     got = (actual.shape, actual.dtype, actual.device)
     assert got == (expected.shape, expected.dtype, expected.device), (got, expected.shape, expected.dtype)
-    assert actual.is_contiguous(), f"output of shape {tuple(actual.shape)} has strides {actual.stride()}"
+    assert not (actual.is_conj() or actual.is_neg()), "the output is a lazy conjugated or negated view"
+    if contiguous:
+        assert actual.is_contiguous(), f"output of shape {tuple(actual.shape)} has strides {actual.stride()}"
     assert torch.equal(bits(actual), bits(expected))
 
 
@@ -83,6 +86,15 @@ def tensors(draw, min_dims=1, max_dims=4):
     if len(shape) >= 2 and draw(st.booleans()):  # non-contiguous: same values, transposed storage
         t = t.transpose(0, -1).contiguous().transpose(0, -1)
     return t
+
+
+def random_bits(shape, dtype: torch.dtype, device="cpu", seed: int = 0) -> torch.Tensor:
+    """Random bytes viewed as ``dtype`` (any bit pattern: NaN payloads, signed zeros, subnormals; bools 0 or 1)."""
+    g = torch.Generator().manual_seed(seed)
+    n = torch.Size(shape).numel()
+    width = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 2 if dtype == torch.bool else 256, (n * width,), generator=g, dtype=torch.uint8)
+    return raw.view(dtype).view(shape).to(device)
 
 
 # ---- comparing a DataParallel run with the plain module ----------------------------------------------------------

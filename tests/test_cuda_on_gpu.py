@@ -17,7 +17,7 @@ import dpfast
 from dpfast import ops
 from dpfast import reference as ref
 
-from dp_testing import assert_bitexact
+from dp_testing import assert_bitexact, random_bits
 
 needs_ext = pytest.mark.skipif(not dpfast.build_info()["extension_loaded"], reason="dpfast._C not built")
 cuda = pytest.mark.cuda
@@ -30,12 +30,8 @@ BUSY = 100_000_000  # torch.cuda._sleep cycles: tens of milliseconds of a busy s
 
 
 def make(shape, dtype, device="cuda", seed=0):
-    """Random bytes viewed as `dtype` (any bit pattern: NaN payloads, signed zeros)."""
-    g = torch.Generator().manual_seed(seed)
-    n = torch.Size(shape).numel()
-    width = torch.empty((), dtype=dtype).element_size()
-    raw = torch.randint(0, 2 if dtype == torch.bool else 256, (n * width,), generator=g, dtype=torch.uint8)
-    return raw.view(dtype).view(shape).to(device)
+    """Random bits (dp_testing.random_bits), on the GPU unless told otherwise."""
+    return random_bits(shape, dtype, device, seed)
 
 
 def current():

@@ -152,7 +152,7 @@ pytest=(-m pytest -p no:cacheprovider --continue-on-collection-errors -rfEs)
 # counts, without the big copies (slow under memcheck), the timing test and graphs (torch's caching allocator is
 # off so that memcheck sees each allocation's bounds).
 memcheck_k="cuda and not past_2_32 and not large_copies and not pinned_memory_returns and not graph and not two_gpus"
-memcheck_tests=(tests/test_cuda_paths.py "tests/test_ops.py::test_cuda_many_jobs_staged_path"
+memcheck_tests=(tests/test_cuda_on_gpu.py "tests/test_ops.py::test_cuda_many_jobs_staged_path"
   "tests/test_ops.py::test_many_dims_take_the_fallback_path" "tests/test_ops.py::test_negative_dim_wraps_per_tensor")
 
 if [ "$dry" = 1 ]; then

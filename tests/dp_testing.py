@@ -1,6 +1,7 @@
-"""Shared by the DataParallel test modules: comparing a DataParallel run with the plain module, and small models.
+"""The test suite's one helpers module: comparing a DataParallel run with the plain module, comparing tensors bit
+for bit, tensor strategies for the property tests, and the small models several test files use.
 
-Everything is float64 so comparisons are tight; the vehicle is the CPU rehearsal ``device_ids=["cpu"] * n``.
+Everything is float64 (``DT``) so comparisons are tight; the vehicle is the CPU rehearsal ``device_ids=["cpu"] * n``.
 """
 
 from __future__ import annotations
@@ -11,12 +12,92 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from hypothesis import strategies as st
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 import dpfast
 
 DT = torch.float64
+
+# ---- comparing tensors -----------------------------------------------------------------------------------------
+
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bit patterns as integers of its element width, in logical order and of its shape (a complex tensor:
+    one more axis, real and imaginary), so that ``torch.equal`` on them also tells NaN payloads, -0.0 and bool
+    bytes apart."""
+    t = t.resolve_conj().resolve_neg()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t.contiguous().view(_INT_OF_WIDTH[t.element_size()])
+
+
+def assert_bitexact(actual: torch.Tensor, expected: torch.Tensor, *, contiguous: bool = True) -> None:
+    """``actual`` (an op's or a gather's output) is ``expected`` bit for bit: same shape, dtype and device, every
+    element's bits equal, and ``actual`` a materialized tensor (no lazy conjugate or negative bit) that is
+    contiguous, as every output of the fused ops is (strides of size-1 axes do not matter, as for
+    ``is_contiguous``). ``contiguous=False`` is for a strided destination written in place."""
+    got = (actual.shape, actual.dtype, actual.device)
+    assert got == (expected.shape, expected.dtype, expected.device), (got, expected.shape, expected.dtype)
+    assert not (actual.is_conj() or actual.is_neg()), "the output is a lazy conjugated or negated view"
+    if contiguous:
+        assert actual.is_contiguous(), f"output of shape {tuple(actual.shape)} has strides {actual.stride()}"
+    assert torch.equal(bits(actual), bits(expected))
+
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape, device and values (layout not compared)."""
+    return a.dtype == b.dtype and a.shape == b.shape and a.device == b.device and torch.equal(a, b)
+
+
+# ---- random tensors for property tests -------------------------------------------------------------------------
+
+PROPERTY_DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int8,
+    torch.bool,
+    torch.complex64,
+]
+
+
+@st.composite
+def tensors(draw, min_dims=1, max_dims=4):
+    """A CPU tensor of 0 to 5 elements per axis, of one of ``PROPERTY_DTYPES``, contiguous or transposed in memory."""
+    shape = draw(st.lists(st.integers(0, 5), min_size=min_dims, max_size=max_dims))
+    dtype = draw(st.sampled_from(PROPERTY_DTYPES))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    if dtype.is_floating_point or dtype.is_complex:
+        t = (
+            torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+            if not dtype.is_complex
+            else torch.randn(*shape, generator=g, dtype=dtype)
+        )
+    elif dtype == torch.bool:
+        t = torch.randint(0, 2, shape, generator=g).bool()
+    else:
+        t = torch.randint(-100, 100, shape, generator=g, dtype=dtype)
+    if len(shape) >= 2 and draw(st.booleans()):  # non-contiguous: same values, transposed storage
+        t = t.transpose(0, -1).contiguous().transpose(0, -1)
+    return t
+
+
+def random_bits(shape, dtype: torch.dtype, device="cpu", seed: int = 0) -> torch.Tensor:
+    """Random bytes viewed as ``dtype`` (any bit pattern: NaN payloads, signed zeros, subnormals; bools 0 or 1)."""
+    g = torch.Generator().manual_seed(seed)
+    n = torch.Size(shape).numel()
+    width = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 2 if dtype == torch.bool else 256, (n * width,), generator=g, dtype=torch.uint8)
+    return raw.view(dtype).view(shape).to(device)
+
+
+# ---- comparing a DataParallel run with the plain module ----------------------------------------------------------
 
 
 def walk(obj: Any, fn):
@@ -111,6 +192,9 @@ def check_against_module(factory, args, kwargs=None, n=3, expected=None, **dp_kw
     return out
 
 
+# ---- small models ------------------------------------------------------------------------------------------------
+
+
 class MLP(nn.Module):
     def __init__(self, f_in=4, f_out=3, hidden=6):
         super().__init__()
@@ -142,3 +226,34 @@ class PackedLSTM(nn.Module):
 
     def forward(self, ps, hx=None):
         return self.lstm(ps, hx)
+
+
+class Counting(nn.Module):
+    """Counts its calls and returns ``x``: a refused input must be refused before the module runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x, lengths=None, mask=None):
+        self.calls += 1
+        return x
+
+
+class Contrastive(nn.Module):
+    """SimCLR-style: each sample's positive is its pair in the other view, its negatives the whole batch's
+    embeddings (gathered from every replica, or every rank, with dpfast.all_gather). Returns the sum of this
+    replica's per-sample losses."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+
+    def forward(self, a, b):
+        za, zb = F.normalize(self.enc(a), dim=1), F.normalize(self.enc(b), dim=1)
+        every_b = dpfast.all_gather(zb, 0)  # (B, 4): the negatives come from the whole batch
+        start = sum(dpfast.all_gather(torch.tensor([za.shape[0]]), 0)[: dpfast.replica_index()].tolist())
+        logits = za @ every_b.t() / 0.5
+        target = torch.arange(start, start + za.shape[0], device=za.device)
+        return F.cross_entropy(logits, target, reduction="sum")

@@ -9,30 +9,12 @@ import threading
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import dpfast
 from dpfast.run.rendezvous import CollectiveError
 
-DT = torch.float64
-
-
-class Contrastive(nn.Module):
-    """SimCLR-style: each sample's positive is its pair in the other view, its negatives the whole batch's
-    embeddings (gathered from every replica). Returns the sum of this replica's per-sample losses."""
-
-    def __init__(self):
-        super().__init__()
-        self.enc = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
-
-    def forward(self, a, b):
-        za, zb = F.normalize(self.enc(a), dim=1), F.normalize(self.enc(b), dim=1)
-        every_b = dpfast.all_gather(zb, 0)  # (B, 4): the negatives come from the whole batch
-        start = sum(dpfast.all_gather(torch.tensor([za.shape[0]]), 0)[: dpfast.replica_index()].tolist())
-        logits = za @ every_b.t() / 0.5
-        target = torch.arange(start, start + za.shape[0], device=za.device)
-        return F.cross_entropy(logits, target, reduction="sum")
+from dp_testing import DT, Contrastive
 
 
 @pytest.mark.parametrize("n, batch", [(2, 8), (3, 7), (4, 9)])

@@ -30,9 +30,8 @@ import dpfast.plan.splits
 from dpfast.distributed import DistributedBatchError, shard_batch, shard_dataset, shard_range
 from dpfast.run.rendezvous import solo_context
 
-from dp_testing import MLP, Losses
+from dp_testing import DT, MLP, Contrastive, Losses
 
-DT = torch.float64
 GROUP_TIMEOUT_S = 150  # the whole spawned group; a healthy run takes a few seconds
 BATCHES = {2: (5, 1), 3: (7, 2)}  # not divisible by the world size, and smaller than it
 
@@ -215,21 +214,6 @@ def _scenarios(world):
     out["cost_balanced_split"] = _cost_balanced_split
     out["cost_values_differ_across_ranks"] = _cost_values_differ_across_ranks
     return out
-
-
-class Contrastive(nn.Module):
-    """Negatives from the whole batch through dpfast.all_gather, which works across the ranks here."""
-
-    def __init__(self):
-        super().__init__()
-        self.enc = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
-
-    def forward(self, a, b):
-        za, zb = F.normalize(self.enc(a), dim=1), F.normalize(self.enc(b), dim=1)
-        every_b = dpfast.all_gather(zb, 0)
-        start = sum(dpfast.all_gather(torch.tensor([za.shape[0]]), 0)[: dpfast.replica_index()].tolist())
-        target = torch.arange(start, start + za.shape[0])
-        return F.cross_entropy(za @ every_b.t() / 0.5, target, reduction="sum")
 
 
 def _views(b):

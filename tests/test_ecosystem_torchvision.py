@@ -14,7 +14,8 @@ from torchvision.models.detection import fasterrcnn_mobilenet_v3_large_fpn  # no
 
 import dpfast  # noqa: E402
 
-DT = torch.float64
+from dp_testing import DT  # noqa: E402
+
 SIZES = [(40, 40), (50, 50), (64, 64), (30, 30), (57, 57)]
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -16,9 +16,8 @@ transformers = pytest.importorskip("transformers")
 
 import dpfast  # noqa: E402
 
-from dp_testing import check_against_module  # noqa: E402
+from dp_testing import DT, check_against_module  # noqa: E402
 
-DT = torch.float64
 V = 50
 
 pytestmark = pytest.mark.usefixtures("one_thread")

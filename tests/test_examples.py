@@ -21,9 +21,9 @@ import torch.nn.functional as F
 import dpfast
 from dpfast.__main__ import load_example
 
-ROOT = Path(dpfast.__file__).resolve().parent.parent  # the folder holding the dpfast under test
-DT = torch.float64
+from dp_testing import DT
 
+ROOT = Path(dpfast.__file__).resolve().parent.parent  # the folder holding the dpfast under test
 rrn = load_example("rrn")
 transformer = load_example("transformer")
 fused = load_example("rrn_fused_state")

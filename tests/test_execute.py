@@ -1,18 +1,25 @@
 """Running the replicas (dpfast.run.execute, dpfast.run.workers): exceptions named by replica and device, nothing left
 running behind a call, the caller's thread-local state (grad and inference mode, autocast, saved-tensor hooks) in
-every replica thread, and the worker pool across forks."""
+every replica thread, the worker pool across forks, and faults injected into replicas (every k-th call, in forward or
+in backward, on the CPU and on CUDA streams): each step after a failure is as good as any other."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import gc
 import os
 import threading
 import time
+import weakref
 
 import pytest
 import torch
 from torch import nn
 
 import dpfast
+
+from dp_testing import DT, MLP
 
 # ---- exceptions and threads -----------------------------------------------------------------------------------
 
@@ -151,7 +158,7 @@ def test_replicas_run_in_threads_with_grad_inference_and_autocast_state():
 @pytest.mark.skipif(
     not hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks"),
     reason="passing saved-tensor hooks to worker threads needs torch >= 2.8 (older torch: a warning, "
-    "tests/test_torch_versions.py)",
+    "tests/test_torch_version_fallbacks.py)",
 )
 def test_saved_tensor_hooks_reach_every_replica():
     """save_on_cpu-style hooks set around the call apply in the worker threads too, and only during the call."""
@@ -232,3 +239,163 @@ def test_forked_child_gets_a_working_pool_even_if_the_lock_was_held():
         time.sleep(0.05)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
     pool.shutdown()
+
+
+# ---- injected faults ----------------------------------------------------------------------------------------------
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+class FailEveryK(nn.Module):
+    """Column 0 of ``x`` holds the sample id; the replica whose chunk holds sample ``target`` raises on every k-th
+    call it makes, in forward or (through a custom autograd function) in backward."""
+
+    def __init__(self, k: int, target: int, where: str):
+        super().__init__()
+        self.mlp = MLP(5, 2, hidden=8)
+        self.k, self.target, self.where = k, target, where
+        # calls by the target replica only; a dict, shared by reference with the replicas (an int attribute set
+        # by a replica's forward is the replica's own and undone at the next call, as on another GPU)
+        self.counter = {"calls": 0}
+        self.lock = threading.Lock()
+
+    def forward(self, x):
+        y = self.mlp(x)
+        if (x[:, 0] == self.target).any():
+            with self.lock:
+                self.counter["calls"] += 1
+                calls = self.counter["calls"]
+                fail = calls % self.k == 0
+            if fail and self.where == "forward":
+                raise InjectedFault(f"injected forward fault on call {calls}")
+            if fail and self.where == "backward":
+                y = _FailInBackward.apply(y, f"injected backward fault on call {calls}")
+        return y
+
+
+class _FailInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, message):
+        ctx.message = message
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise InjectedFault(ctx.message)
+
+
+def _batch(step: int, n_rows: int = 7) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(n_rows, 5, generator=g, dtype=DT)
+    x[:, 0] = torch.arange(n_rows, dtype=DT)
+    return x
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_fault_every_kth_call_on_one_replica_then_next_step_succeeds(where):
+    torch.manual_seed(0)
+    module = FailEveryK(k=3, target=4, where=where).to(DT)  # sample 4: replica 1 of chunks [3, 2, 2]
+    plain = copy.deepcopy(module.mlp)
+    dp = dpfast.DataParallel(module, ["cpu"] * 3)
+    threads_before = threading.active_count()
+    failures = 0
+    for step in range(12):
+        x = _batch(step)
+        module.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
+        fails = (step + 1) % 3 == 0
+        if fails and where == "forward":
+            with pytest.raises(InjectedFault) as e:
+                dp(x)
+            # the error names the replica and device, the original is chained with its traceback
+            assert str(e.value) == f"replica 1 on cpu raised InjectedFault: injected forward fault on call {step + 1}"
+            assert type(e.value.__cause__) is InjectedFault and e.value.__cause__.__traceback__ is not None
+            failures += 1
+            continue
+        out = dp(x)
+        loss = (out * out).sum()
+        if fails:
+            # backward runs in torch's autograd engine, not in dpfast: the original exception arrives unchanged
+            with pytest.raises(InjectedFault, match=f"^injected backward fault on call {step + 1}$"):
+                loss.backward()
+            failures += 1
+            continue
+        loss.backward()
+        ref = plain(x)
+        (ref * ref).sum().backward()
+        torch.testing.assert_close(out, ref)  # the step after a failure is as good as any other
+        for p, q in zip(module.mlp.parameters(), plain.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+        assert threading.active_count() <= threads_before + 2  # at most the two pool workers this call needed
+    assert failures == 4
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_every_replica_failing_at_once_and_nothing_left_running():
+    class AllFail(nn.Module):
+        def forward(self, x):
+            raise InjectedFault(f"chunk of {x.shape[0]}")
+
+    dp = dpfast.DataParallel(AllFail(), ["cpu"] * 4)
+    before = threading.active_count()
+    for _ in range(20):
+        with pytest.raises(
+            InjectedFault,
+            match=r"^replica 0 on cpu raised InjectedFault: chunk of 3 \(3 other "
+            r"replicas failed too\)$",
+        ):
+            dp(torch.zeros(10))
+    assert threading.active_count() <= before + 3
+    assert all(t.daemon for t in threading.enumerate() if t.name.startswith("dpfast-worker"))
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_failed_step_frees_the_other_replicas_outputs_without_gc():
+    kept = []
+
+    class FailOnLast(nn.Module):
+        def forward(self, x):
+            y = x * 2
+            kept.append(weakref.ref(y))
+            if x[0] == 4:
+                raise InjectedFault("last replica fails")
+            return y
+
+    dp = dpfast.DataParallel(FailOnLast(), ["cpu"] * 3)
+    gc.collect()
+    gc.disable()
+    try:
+        with contextlib.suppress(InjectedFault):
+            dp(torch.arange(6.0).requires_grad_())
+        assert len(kept) == 3 and all(r() is None for r in kept)  # freed by reference counting alone
+    finally:
+        gc.enable()
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.cuda
+def test_cuda_failing_replica_leaves_no_stream_waiting():
+    torch.manual_seed(0)
+    module = FailEveryK(k=2, target=4, where="forward").to(DT).cuda()
+    plain = copy.deepcopy(module.mlp)
+    dp = dpfast.DataParallel(module, [0, 0, 0])
+    side = torch.cuda.Stream()
+    for step in range(6):
+        x = _batch(step).cuda()
+        with torch.cuda.stream(side):
+            if (step + 1) % 2 == 0:
+                with pytest.raises(InjectedFault, match=r"^replica 1 on cuda:0 raised InjectedFault"):
+                    dp(x)
+            else:
+                out = dp(x)
+                torch.testing.assert_close(out, plain(x))
+        side.synchronize()
+        assert side.query() and torch.cuda.current_stream().query()
+        event = torch.cuda.Event()
+        event.record(side)
+        event.synchronize()
+        assert event.query()
+    torch.cuda.synchronize()

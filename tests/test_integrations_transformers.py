@@ -18,7 +18,8 @@ transformers = pytest.importorskip("transformers")
 
 from dpfast.integrations.transformers import DataParallelTrainer  # noqa: E402
 
-DT = torch.float64
+from dp_testing import DT  # noqa: E402
+
 V = 40
 B, T = 8, 6
 

@@ -13,6 +13,8 @@ import dpfast
 from dpfast import ops
 from dpfast import reference as ref
 
+from dp_testing import assert_bitexact
+
 DTYPES = [
     torch.float32,
     torch.float16,
@@ -50,16 +52,6 @@ def make(shape, dtype, device, layout="contiguous", seed=0):
             else torch.randint(0, 255, shape, generator=g, dtype=torch.uint8)
         )
     return x.to(device)
-
-
-def assert_bitexact(a, b):
-    assert a.shape == b.shape and a.dtype == b.dtype and a.device == b.device, (a.shape, b.shape, a.dtype, b.dtype)
-    assert a.is_contiguous()
-    if a.dtype.is_floating_point or a.dtype.is_complex:  # compare bits, so NaN payloads and -0.0 count too
-        a, b = torch.view_as_real(a) if a.is_complex() else a, torch.view_as_real(b) if b.is_complex() else b
-        width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        a, b = a.contiguous().view(width), b.contiguous().view(width)
-    assert torch.equal(a, b)
 
 
 def assert_fresh(out, inputs):

@@ -7,7 +7,7 @@ from fractions import Fraction
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -75,6 +75,31 @@ def test_weighted_split_properties(batch, weights):
         if w == 0:
             assert s == 0
         assert abs(s - Fraction(batch) * w / total) < 1  # largest remainder: within one of the exact share
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**6), st.integers(1, 16))
+def test_property_even_split_sums_and_differs_by_at_most_one(batch, n):
+    sizes = split_sizes(batch, n)
+    assert len(sizes) == n and sum(sizes) == batch and min(sizes) >= 0
+    assert max(sizes) - min(sizes) <= 1
+    assert sizes == sorted(sizes, reverse=True)  # earlier devices take the remainder
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.integers(0, 10**6),
+    st.lists(st.one_of(st.integers(0, 8), st.floats(0, 8)), min_size=1, max_size=12).filter(lambda w: sum(w) > 0),
+)
+def test_property_weighted_split_sums_and_is_proportional(batch, weights):
+    ws = dpfast.DataParallel(nn.Identity(), ["cpu"] * len(weights), chunk_sizes=weights)._weights
+    sizes = split_sizes(batch, len(weights), ws)
+    assert sum(sizes) == batch and all(s >= 0 for s in sizes)
+    total = sum(ws)
+    for s, w in zip(sizes, ws):
+        assert abs(s - batch * w / total) < 1  # largest remainder: within one of the exact share
+        if w == 0:
+            assert s == 0
 
 
 @pytest.mark.parametrize(

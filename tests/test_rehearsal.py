@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 import dpfast
 
-DT = torch.float64
+from dp_testing import DT, bits
 
 
 class Counted(nn.Module):
@@ -143,10 +143,6 @@ def _train_step(module, n, x, seed):
     return out.detach(), [p.grad.clone() for p in module.parameters()]
 
 
-def _bits(t):
-    return t.contiguous().view(torch.int64)
-
-
 @pytest.mark.parametrize("use_checkpoint", [None, True, False])
 def test_fixed_seed_gives_bit_identical_outputs_and_gradients(use_checkpoint, device):
     torch.manual_seed(0)
@@ -154,8 +150,8 @@ def test_fixed_seed_gives_bit_identical_outputs_and_gradients(use_checkpoint, de
     x = torch.randn(11, 5, dtype=DT, device=device)
     runs = [_train_step(module, 4, x, seed=7) for _ in range(3)]
     for out, grads in runs[1:]:
-        assert torch.equal(_bits(out), _bits(runs[0][0]))
-        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(grads, runs[0][1]))
+        assert torch.equal(bits(out), bits(runs[0][0]))
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(grads, runs[0][1]))
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])

@@ -20,8 +20,7 @@ from torch import nn
 import dpfast
 from dpfast.run import replicas as _replicas
 
-DT = torch.float64
-
+from dp_testing import DT
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

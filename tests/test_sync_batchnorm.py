@@ -13,7 +13,7 @@ from torch import nn
 import dpfast
 from dpfast.nn import SyncBatchNorm, convert_sync_batchnorm
 
-DT = torch.float64
+from dp_testing import DT
 
 
 class ConvNet(nn.Module):

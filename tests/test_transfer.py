@@ -1,73 +1,18 @@
-"""The transfer stages of a DataParallel call: argument trees scattered to the replicas (PackedSequences by
-sequence), output trees gathered back (concatenation, stacking of 0-dim outputs, None, sum/mean), and their errors.
-"""
+"""The transfer stages of a DataParallel call: argument trees scattered to the replicas, output trees gathered back
+(concatenation, stacking of 0-dim outputs, None, sum/mean), their errors and warnings, and scatter -> replicas ->
+gather as the identity. (PackedSequences are in test_packed_sequence.py.)"""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
-from torch.nn.utils.rnn import PackedSequence, pack_sequence, pad_packed_sequence
 
 import dpfast
 
-from dp_testing import DT, Losses, weighted_loss
-
-# ---- PackedSequence -------------------------------------------------------------------------------------------------
-
-
-class PackedLSTM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lstm = nn.LSTM(3, 4)
-
-    def forward(self, ps):
-        out, (h, c) = self.lstm(ps)
-        return out, h
-
-
-@pytest.mark.parametrize("n", [2, 3])
-def test_packed_sequence_split_by_sequence(n):
-    torch.manual_seed(8)
-    lengths = [3, 5, 1, 4, 4, 2, 5]
-    seqs1 = [torch.randn(k, 3, dtype=DT, requires_grad=True) for k in lengths]
-    seqs2 = [s.detach().clone().requires_grad_(True) for s in seqs1]
-    module = PackedLSTM().to(DT)
-    reference = copy.deepcopy(module)
-    dp = dpfast.DataParallel(module, ["cpu"] * n, out_dims=(0, 1))
-    out, h = dp(pack_sequence(seqs1, enforce_sorted=False))
-    ref_out, ref_h = reference(pack_sequence(seqs2, enforce_sorted=False))
-    assert isinstance(out, PackedSequence)
-    padded, lens = pad_packed_sequence(out)
-    ref_padded, ref_lens = pad_packed_sequence(ref_out)
-    torch.testing.assert_close(lens, ref_lens)
-    torch.testing.assert_close(padded, ref_padded)
-    torch.testing.assert_close(h, ref_h)
-    weighted_loss((padded, h)).backward()
-    weighted_loss((ref_padded, ref_h)).backward()
-    for p, q in zip(module.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad)
-    for s1, s2 in zip(seqs1, seqs2):
-        torch.testing.assert_close(s1.grad, s2.grad)
-    assert "packed(B=7" in str(dp.plan(pack_sequence(seqs1, enforce_sorted=False)))
-
-
-def test_packed_sequence_replicated_under_none():
-    seen = []
-
-    class M(nn.Module):
-        def forward(self, x, ps):
-            seen.append(ps)
-            return x
-
-    ps = pack_sequence([torch.ones(2, 1), torch.ones(1, 1)])
-    dpfast.DataParallel(M(), ["cpu"] * 2, in_dims={"ps": None})(torch.zeros(4), ps)
-    assert seen == [ps, ps]
-
+from dp_testing import DT, Losses, same_tensor, tensors
 
 # ---- output errors ---------------------------------------------------------------------------------------------------
 
@@ -88,7 +33,7 @@ def test_output_errors():
         def forward(self, x):
             return x, "label"
 
-    # non-tensor outputs equal across replicas come back once (tests/test_structured.py has the list case)
+    # non-tensor outputs equal across replicas come back once (tests/test_stdlib_containers.py has the list case)
     assert dpfast.DataParallel(Label(), ["cpu"] * 2)(torch.zeros(3))[1] == "label"
 
     class Mixed(nn.Module):
@@ -152,6 +97,31 @@ def test_out_dims_structure_errors():
         dp(torch.randn(4, 4), torch.randn(4, 2))
 
 
+def test_warns_when_output_batch_is_on_another_axis():
+    """Seed 000 without out_dims: an even split concatenates the (L, B, H) state into a wrong shape; say so."""
+    import warnings
+
+    import dpfast
+
+    class StateOut(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, x, h):
+            return x * self.w, h * self.w
+
+    dp = dpfast.DataParallel(StateOut(), device_ids=["cpu"] * 4, in_dims={"h": 1})
+    x, h = torch.randn(8, 3), torch.randn(1, 8, 5)
+    with pytest.warns(UserWarning, match=r"output `output\[1\]`.*axis 1 carries the batch chunk sizes \[2, 2, 2, 2\]"):
+        dp(x, h)
+    right = dpfast.DataParallel(StateOut(), device_ids=["cpu"] * 4, in_dims={"h": 1}, out_dims=(0, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = right(x, h)
+    assert out[1].shape == h.shape
+
+
 # ---- gathered outputs -----------------------------------------------------------------------------------------
 
 
@@ -213,3 +183,37 @@ def test_scatter_gather_identity(data):
     if batch:
         out_a.sum().backward()
         assert torch.equal(a.grad, torch.ones_like(a))
+
+
+@st.composite
+def dp_case(draw):
+    t = draw(tensors())
+    dim = draw(st.integers(-t.dim(), t.dim() - 1))
+    n = draw(st.integers(1, 5))
+    weights = draw(
+        st.one_of(st.none(), st.lists(st.integers(0, 3), min_size=n, max_size=n).filter(lambda w: sum(w) > 0))
+    )
+    return t, dim, n, weights
+
+
+@pytest.mark.usefixtures("one_thread")
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dp_case())
+def test_property_data_parallel_identity_and_plan(case):
+    t, dim, n, weights = case
+    seen = []
+
+    class Record(nn.Module):
+        def forward(self, x):
+            seen.append(x.shape[dim])
+            return x
+
+    dp = dpfast.DataParallel(Record(), ["cpu"] * n, dim=dim, chunk_sizes=weights)
+    plan = dp.plan(t)
+    out = dp(t)
+    assert same_tensor(out, t.contiguous() if n > 1 else t)  # scatter -> replicas -> gather is the identity, bit-exact
+    b = t.shape[dim]
+    if n > 1 and b > 0:
+        assert sum(plan.sizes) == b and sorted(seen) == sorted(s for s in plan.sizes if s > 0)
+        if weights is None:
+            assert max(plan.sizes) - min(plan.sizes) <= 1

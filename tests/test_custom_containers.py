@@ -17,7 +17,7 @@ from torch import nn
 import dpfast
 from dpfast.trees.flatten import flatten, leaf_paths, unflatten
 
-DT = torch.float64
+from dp_testing import DT
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -162,7 +162,7 @@ pytree.register_pytree_node(
         [(pytree.GetAttrKey("first"), p.first), (pytree.GetAttrKey("second"), p.second)],
         p.tag,
     ),
-    serialized_type_name="tests.test_containers.Pair",
+    serialized_type_name="tests.test_custom_containers.Pair",
 )
 
 

@@ -10,9 +10,7 @@ from torch import nn
 
 import dpfast
 
-from dp_testing import MLP, Losses
-
-DT = torch.float64
+from dp_testing import DT, MLP, Losses
 
 
 def test_is_a_torch_data_parallel_without_cuda():

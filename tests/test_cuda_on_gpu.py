@@ -17,6 +17,8 @@ import dpfast
 from dpfast import ops
 from dpfast import reference as ref
 
+from dp_testing import assert_bitexact, random_bits
+
 needs_ext = pytest.mark.skipif(not dpfast.build_info()["extension_loaded"], reason="dpfast._C not built")
 cuda = pytest.mark.cuda
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
@@ -28,20 +30,8 @@ BUSY = 100_000_000  # torch.cuda._sleep cycles: tens of milliseconds of a busy s
 
 
 def make(shape, dtype, device="cuda", seed=0):
-    """Random bytes viewed as `dtype` (any bit pattern: NaN payloads, signed zeros)."""
-    g = torch.Generator().manual_seed(seed)
-    n = torch.Size(shape).numel()
-    width = torch.empty((), dtype=dtype).element_size()
-    raw = torch.randint(0, 2 if dtype == torch.bool else 256, (n * width,), generator=g, dtype=torch.uint8)
-    return raw.view(dtype).view(shape).to(device)
-
-
-def assert_bitexact(a, b):
-    assert a.shape == b.shape and a.dtype == b.dtype and a.device == b.device, (a.shape, b.shape, a.device, b.device)
-    assert a.is_contiguous()
-    if a.numel():
-        raw = [t.clone(memory_format=torch.contiguous_format).view(-1).view(torch.uint8) for t in (a, b)]
-        assert torch.equal(*raw)
+    """Random bits (dp_testing.random_bits), on the GPU unless told otherwise."""
+    return random_bits(shape, dtype, device, seed)
 
 
 def current():

@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 
 import dpfast
 
+from dp_testing import assert_bitexact, random_bits
+
 pytestmark = pytest.mark.skipif(not dpfast.build_info()["extension_loaded"], reason="dpfast._C not built")
 
 if dpfast.build_info()["extension_loaded"]:
@@ -123,15 +125,6 @@ GRIDS = [(1, 1), (1, 3), (2, 32), (3, 256), (7, 5), (132 * 3, 256)]
 DTYPES = [torch.uint8, torch.int8, torch.float16, torch.float32, torch.float64, torch.complex128, torch.bool]
 
 
-def make(shape, dtype, seed):
-    """Random bytes viewed as `dtype` (any bit pattern: NaN payloads, signed zeros)."""
-    g = torch.Generator().manual_seed(seed)
-    n = torch.Size(shape).numel()
-    width = torch.empty((), dtype=dtype).element_size()
-    raw = torch.randint(0, 2 if dtype == torch.bool else 256, (n * width,), generator=g, dtype=torch.uint8)
-    return raw.view(dtype).view(shape)
-
-
 def layouts(x, rng):
     """The same values under different memory layouts and alignments."""
     yield x
@@ -146,15 +139,6 @@ def layouts(x, rng):
         yield x[:1].expand(x.shape)  # zero strides
 
 
-def raw_bytes(t):
-    return t.clone(memory_format=torch.contiguous_format).view(-1).view(torch.uint8)
-
-
-def assert_same_bits(a, b):
-    assert a.shape == b.shape and a.dtype == b.dtype
-    assert torch.equal(raw_bytes(a), raw_bytes(b))
-
-
 def replay(src, dst, grid):
     moved, planned, _jobs, _fallback = C._replay_cuda_copy([src], [dst], *grid)
     assert moved == planned, f"the walk moved {moved} units of {planned}: a unit skipped or moved twice"
@@ -165,16 +149,16 @@ def replay(src, dst, grid):
 def test_kernel_walk_copies_every_layout_exactly(grid, dtype):
     rng = random.Random(str(dtype) + str(grid))
     for shape in [(5,), (3, 4), (1, 7), (2, 3, 4), (4, 1, 33), (3, 2, 1, 2, 3), (17, 9)]:
-        for src in layouts(make(shape, dtype, seed=len(shape)), rng):
+        for src in layouts(random_bits(shape, dtype, seed=len(shape)), rng):
             dst = torch.empty(shape, dtype=dtype)
             replay(src, dst, grid)
-            assert_same_bits(dst, src)
+            assert_bitexact(dst, src, contiguous=False)
 
 
 @pytest.mark.parametrize("grid", [(1, 1), (3, 256)])
 def test_kernel_walk_writes_strided_destinations(grid):
     """Transposed and gathered-into outputs: the destination side is strided too (gather into an inner dim)."""
-    x = make((6, 5, 4), torch.float32, seed=1)
+    x = random_bits((6, 5, 4), torch.float32, seed=1)
     out = torch.zeros(6, 9, 4)
     dst = out[:, 2:7]
     replay(x, dst, grid)
@@ -197,9 +181,9 @@ def test_property_kernel_walk_is_a_bijection(shape, dtype, blocks, threads, perm
     rng = random.Random(perm_seed)
     perm = list(range(len(shape)))
     rng.shuffle(perm)
-    base = make([s + offset for s in shape], dtype, seed=perm_seed).permute(*perm)
+    base = random_bits([s + offset for s in shape], dtype, seed=perm_seed).permute(*perm)
     src = base[tuple(slice(offset, offset + shape[p]) for p in perm)]
     dst = torch.empty(src.shape, dtype=dtype)
     moved, planned, jobs, fallback = C._replay_cuda_copy([src], [dst], blocks, threads)
     assert moved == planned and jobs + fallback == 1
-    assert_same_bits(dst, src)
+    assert_bitexact(dst, src, contiguous=False)

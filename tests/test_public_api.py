@@ -199,6 +199,19 @@ def test_plan_returns_the_exported_call_plan():
     assert isinstance(dp.plan(torch.zeros(4, 3)), dpfast.CallPlan)
 
 
+def test_build_info_has_exactly_the_declared_keys_and_types():
+    """``BuildInfo`` is what type checkers read for ``build_info()``: it must not drift from what it returns."""
+    from dpfast.ext.loader import BuildInfo
+
+    types = {"str": str, "bool": bool, "int": int, "None": type(None)}
+    annotations = {k: getattr(v, "__forward_arg__", v) for k, v in BuildInfo.__annotations__.items()}  # strings
+    declared = {k: tuple(types[t] for t in v.split(" | ")) for k, v in annotations.items()}
+    info = dpfast.build_info()
+    assert list(info) == list(declared)
+    for key, value in info.items():
+        assert isinstance(value, declared[key]), (key, value, declared[key])
+
+
 # ---- cheap and quiet --------------------------------------------------------------------------------------------
 
 # What `import dpfast` may load beyond torch itself: the front door, the extension and the ops (they register

@@ -332,7 +332,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     h = model.reset_g(x.size(0))
 
     title(report, "Problem: every input split on dim 0, as torch.nn.DataParallel does")
-    report.say(f"The seed, under torch.nn.DataParallel:  {SEED_ERROR}")
+    report.say(
+        "torch.nn.DataParallel fails on the seed (quoted from the seed's report: its batch of 10,000 on 4 GPUs):",
+        f"  {SEED_ERROR}",
+    )
     error = show_scatter_error(report, dpfast.DataParallel(model, device_ids), (x, x, h), {})
 
     title(report, f"Fix, one line: dpfast.DataParallel(model, in_dims={IN_DIMS}, out_dims={OUT_DIMS})")

@@ -82,6 +82,7 @@ def test_type_checkers_see_every_exported_name():
     assert not missing, f"exported but invisible to type checkers (add them under `if TYPE_CHECKING:`): {missing}"
     extra = static - set(dpfast.__all__)
     assert not extra, f"imported for type checkers but not in __all__: {extra}"
+    assert set(dpfast._LAZY) == static, "the lazily loaded names must be the ones imported for type checkers"
 
 
 def test_static_names_are_the_runtime_objects():

@@ -15,7 +15,7 @@ all: test
 $(VENV)/.deps: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip "setuptools>=77" wheel
-	$(PY) -m pip install -q "torch>=2.4" ninja build pytest hypothesis expecttest numpy matplotlib ruff transformers accelerate torchvision
+	$(PY) -m pip install -q "torch>=2.4" ninja build pytest hypothesis expecttest numpy matplotlib ruff transformers accelerate torchvision mypy
 	touch $@
 
 venv: $(VENV)/.deps
@@ -25,12 +25,17 @@ build: venv
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	$(PY) -m dpfast info
 
-test: build lint
+test: build lint typecheck
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# mypy --strict over code that uses dpfast, as a user's type checker reads it: a typed user script and the examples.
+.PHONY: typecheck
+typecheck: venv
+	$(PY) -m mypy --config-file tests/typed/mypy.ini tests/typed/user_code.py examples
 
 # The CPU extension under AddressSanitizer + UBSan (build/sanitize), the op tests and a seeded fuzzer against it.
 FUZZ_SECONDS ?= 60

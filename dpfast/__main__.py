@@ -2,10 +2,12 @@
 
 * ``info``  — torch and CUDA versions, visible devices, whether ``dpfast._C`` loaded, which kernels were compiled
   (and why), and whether the compiled CUDA architectures cover the visible GPUs.
-* ``demo``  — runs ``examples/rrn.py``, ``examples/transformer.py`` and ``examples/rrn_fused_state.py``: the two
-  seed models, each with the ``ScatterError`` dpfast raises without a spec, its plan with the one-line spec, a few
-  training steps, and a float64 check that outputs and gradients equal the unwrapped model's. Exits non-zero if
-  any check fails. Without a GPU it rehearses a 4-GPU run on the CPU.
+* ``demo``  — runs the three examples built on the two seed models: ``examples/rrn.py`` (seed 000) and
+  ``examples/transformer.py`` (seed 004), each with the seed's own error (quoted from its report), the
+  ``ScatterError`` dpfast raises without a spec and its plan with the one-line spec; ``examples/rrn_fused_state.py``
+  (seed 000 rewritten with a batch-first state, which needs no spec), with its plan. Each then trains a few steps
+  and checks in float64 that outputs and gradients equal the unwrapped model's. Exits non-zero if any check fails.
+  Without a GPU it rehearses a 4-GPU run on the CPU.
 * ``bench`` — runs ``benchmarks/bench_ops.py`` and ``benchmarks/bench_dp.py`` (``bench ops ...`` / ``bench dp ...``
   for one of them); further arguments are passed to each script's ``main(argv)``.
 
@@ -285,11 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "demo",
-        help="run the two seed models under dpfast (exit 1 if a check fails)",
-        description="Run the examples: "
+        help=f"run the {len(EXAMPLES)} examples (the seed models under dpfast; exit 1 if a check fails)",
+        description=f"Run the {len(EXAMPLES)} examples: "
         + "; ".join(f"{n}.py ({w})" for n, w in EXAMPLES)
-        + ". Each prints the ScatterError without the spec, the plan with it, the loss "
-        "per training step, and a float64 check against the unwrapped model.",
+        + ". rrn.py and transformer.py quote the seed's own error and print the ScatterError dpfast raises without "
+        "the spec; every example prints its plan, the loss per training step, and a float64 check against the "
+        "unwrapped model.",
     )
     p.add_argument(
         "--devices",

@@ -211,6 +211,39 @@ class DataParallel(nn.DataParallel):
         )  # fmt: skip
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Split the call's batch over ``device_ids``, run a replica of ``module`` per chunk, and gather.
+
+        Call the wrapper (``dp(x, h, mask=m)``) rather than ``forward``, as with any module. ``plan(*inputs,
+        **kwargs)`` shows what this call does without copying or running anything. Every error about the arguments
+        is raised before anything is copied or run, as ``plan()`` raises it; only ``out_dims``, which needs the
+        outputs, is checked after the replicas ran (before anything is gathered).
+
+        Args:
+            *inputs: ``module.forward``'s positional arguments. Each is split along its batch axis as ``in_dims``
+                says (``dim`` where it says nothing), or replicated whole under a ``None`` spec.
+            **kwargs: ``module.forward``'s keyword arguments, treated as ``in_dims`` names them, exactly as if
+                they were passed by position.
+
+        Returns:
+            The replicas' outputs combined as ``out_dims`` says (concatenated along an int spec, reduced by
+            ``"sum"``/``"mean"``, replica 0's value under ``None``) on ``output_device``, with the structure and
+            types ``module`` returned. With one device, or with no CUDA and no ``device_ids``, ``module``'s own
+            output, as torch returns it.
+
+        Raises:
+            dpfast.ScatterError: the tensors mapped to a batch axis disagree on the batch size ``B``, or have no
+                such axis (out of range); the message lists every mapped tensor's path, shape and axis and
+                suggests an ``in_dims``.
+            TypeError: a spec does not match the structure of its argument, or an explicit int spec holds a
+                non-tensor.
+            ValueError: an input is on a device of another type than ``device_ids``, the costs of ``cost`` are
+                bad (wrong length, negative, NaN), or the replicas' outputs do not fit their ``out_dims`` spec.
+            dpfast.CollectiveError: replicas called ``dpfast.all_gather``/``all_reduce`` (or SyncBatchNorm) in
+                different orders, with tensors that do not fit together, or not at all.
+            Exception: whatever a replica raised, re-raised with the replica's index and device in the message
+                (the same type where it can be built from a message, else ``RuntimeError``) and the original
+                chained as its cause.
+        """
         if not self._devices:
             return self.module(*inputs, **kwargs)
         if any(getattr(type(self), h) is not getattr(DataParallel, h) for h in _HOOKS):

@@ -117,7 +117,14 @@ class LSTM(_StateBatchFirst, torch.nn.LSTM):
 
     ``h`` is ``(B, num_layers * num_directions, proj_size or hidden_size)``, ``c`` is
     ``(B, num_layers * num_directions, hidden_size)``; both are converted in one fused launch. Unbatched (2-D) input
-    keeps torch's ``(L*D, H)`` state unchanged. See :mod:`dpfast.nn`.
+    keeps torch's ``(L*D, H)`` state unchanged. Parameters and state dict are torch's. See :mod:`dpfast.nn`.
+
+    Args:
+        *args: ``torch.nn.LSTM``'s positional arguments (``input_size``, ``hidden_size``, ``num_layers``, ...).
+        state_batch_first: keep the state batch-first, ``(B, L*D, H)``, in and out (default ``False``: torch's
+            ``(L*D, B, H)``, and ``forward`` is torch's).
+        **kwargs: ``torch.nn.LSTM``'s keyword arguments (``batch_first``, ``bidirectional``, ``proj_size``,
+            ``dropout``, ``device``, ``dtype``, ...).
     """
 
     def __init__(self, *args: Any, state_batch_first: bool = False, **kwargs: Any) -> None:
@@ -126,6 +133,27 @@ class LSTM(_StateBatchFirst, torch.nn.LSTM):
     def forward(  # type: ignore[override]
         self, input: RNNInput, hx: LSTMState | None = None
     ) -> tuple[RNNInput, LSTMState]:
+        """Run the LSTM over ``input``, as ``torch.nn.LSTM.forward`` does, the state in the module's layout.
+
+        Args:
+            input: ``(B, T, input_size)`` with ``batch_first``, else ``(T, B, input_size)``; a ``PackedSequence``;
+                or an unbatched ``(T, input_size)``.
+            hx: the initial ``(h, c)``, or ``None`` for zeros. With ``state_batch_first``: ``h`` is
+                ``(B, L*D, proj_size or hidden_size)`` and ``c`` is ``(B, L*D, hidden_size)``; else torch's
+                ``(L*D, B, ...)``. Unbatched input: torch's ``(L*D, ...)`` either way.
+
+        Returns:
+            ``(output, (h_n, c_n))``: ``output`` as torch returns it (a Tensor, or a ``PackedSequence`` for one),
+            and the final state in the module's layout, as ``hx`` (batch-first with ``state_batch_first``; for a
+            ``PackedSequence``, its batch axis in the caller's unsorted order, as torch's).
+
+        Raises:
+            TypeError: with ``state_batch_first=True``, ``hx`` is not a tuple ``(h, c)`` of two Tensors.
+            RuntimeError: with ``state_batch_first=True``, ``h`` or ``c`` is not ``(B, L*D, H)`` for this input
+                (the type torch raises for a wrong hidden size, so existing handlers keep working); and torch's
+                own checks: an input whose last dim is not ``input_size``, a state of the wrong size.
+            ValueError: the input is neither 2-D nor 3-D, or not of the weights' dtype (torch's checks).
+        """
         if not self.state_batch_first:
             return super().forward(input, hx)
         return self._forward_batch_first(input, hx)
@@ -146,7 +174,15 @@ class LSTM(_StateBatchFirst, torch.nn.LSTM):
 class GRU(_StateBatchFirst, torch.nn.GRU):
     """``torch.nn.GRU`` with ``state_batch_first``: ``h`` in and out as ``(B, num_layers * num_directions, H)``.
 
-    Unbatched (2-D) input keeps torch's ``(L*D, H)`` state unchanged. See :mod:`dpfast.nn`.
+    Unbatched (2-D) input keeps torch's ``(L*D, H)`` state unchanged. Parameters and state dict are torch's. See
+    :mod:`dpfast.nn`.
+
+    Args:
+        *args: ``torch.nn.GRU``'s positional arguments (``input_size``, ``hidden_size``, ``num_layers``, ...).
+        state_batch_first: keep the state batch-first, ``(B, L*D, H)``, in and out (default ``False``: torch's
+            ``(L*D, B, H)``, and ``forward`` is torch's).
+        **kwargs: ``torch.nn.GRU``'s keyword arguments (``batch_first``, ``bidirectional``, ``dropout``,
+            ``device``, ``dtype``, ...).
     """
 
     def __init__(self, *args: Any, state_batch_first: bool = False, **kwargs: Any) -> None:
@@ -155,6 +191,27 @@ class GRU(_StateBatchFirst, torch.nn.GRU):
     def forward(  # type: ignore[override]
         self, input: RNNInput, hx: Tensor | None = None
     ) -> tuple[RNNInput, Tensor]:
+        """Run the GRU over ``input``, as ``torch.nn.GRU.forward`` does, the state in the module's layout.
+
+        Args:
+            input: ``(B, T, input_size)`` with ``batch_first``, else ``(T, B, input_size)``; a ``PackedSequence``;
+                or an unbatched ``(T, input_size)``.
+            hx: the initial hidden state, or ``None`` for zeros: ``(B, L*D, hidden_size)`` with
+                ``state_batch_first``, else torch's ``(L*D, B, hidden_size)``; unbatched input: ``(L*D, hidden_size)``
+                either way.
+
+        Returns:
+            ``(output, h_n)``: ``output`` as torch returns it (a Tensor, or a ``PackedSequence`` for one), and the
+            final hidden state in the module's layout, as ``hx`` (batch-first with ``state_batch_first``; for a
+            ``PackedSequence``, its batch axis in the caller's unsorted order, as torch's).
+
+        Raises:
+            TypeError: with ``state_batch_first=True``, ``hx`` is not a Tensor.
+            RuntimeError: with ``state_batch_first=True``, ``hx`` is not ``(B, L*D, hidden_size)`` for this input
+                (the type torch raises for a wrong hidden size, so existing handlers keep working); and torch's
+                own checks: an input whose last dim is not ``input_size``, a state of the wrong size.
+            ValueError: the input is neither 2-D nor 3-D, or not of the weights' dtype (torch's checks).
+        """
         if not self.state_batch_first:
             return super().forward(input, hx)
         return self._forward_batch_first(input, hx)
@@ -163,7 +220,16 @@ class GRU(_StateBatchFirst, torch.nn.GRU):
 class RNN(_StateBatchFirst, torch.nn.RNN):
     """``torch.nn.RNN`` (tanh/relu) with ``state_batch_first``: ``h`` in and out as ``(B, num_layers * D, H)``.
 
-    Unbatched (2-D) input keeps torch's ``(L*D, H)`` state unchanged. See :mod:`dpfast.nn`.
+    Unbatched (2-D) input keeps torch's ``(L*D, H)`` state unchanged. Parameters and state dict are torch's. See
+    :mod:`dpfast.nn`.
+
+    Args:
+        *args: ``torch.nn.RNN``'s positional arguments (``input_size``, ``hidden_size``, ``num_layers``,
+            ``nonlinearity``, ...).
+        state_batch_first: keep the state batch-first, ``(B, L*D, H)``, in and out (default ``False``: torch's
+            ``(L*D, B, H)``, and ``forward`` is torch's).
+        **kwargs: ``torch.nn.RNN``'s keyword arguments (``nonlinearity``, ``batch_first``, ``bidirectional``,
+            ``dropout``, ``device``, ``dtype``, ...).
     """
 
     def __init__(self, *args: Any, state_batch_first: bool = False, **kwargs: Any) -> None:
@@ -172,6 +238,27 @@ class RNN(_StateBatchFirst, torch.nn.RNN):
     def forward(  # type: ignore[override]
         self, input: RNNInput, hx: Tensor | None = None
     ) -> tuple[RNNInput, Tensor]:
+        """Run the RNN over ``input``, as ``torch.nn.RNN.forward`` does, the state in the module's layout.
+
+        Args:
+            input: ``(B, T, input_size)`` with ``batch_first``, else ``(T, B, input_size)``; a ``PackedSequence``;
+                or an unbatched ``(T, input_size)``.
+            hx: the initial hidden state, or ``None`` for zeros: ``(B, L*D, hidden_size)`` with
+                ``state_batch_first``, else torch's ``(L*D, B, hidden_size)``; unbatched input: ``(L*D, hidden_size)``
+                either way.
+
+        Returns:
+            ``(output, h_n)``: ``output`` as torch returns it (a Tensor, or a ``PackedSequence`` for one), and the
+            final hidden state in the module's layout, as ``hx`` (batch-first with ``state_batch_first``; for a
+            ``PackedSequence``, its batch axis in the caller's unsorted order, as torch's).
+
+        Raises:
+            TypeError: with ``state_batch_first=True``, ``hx`` is not a Tensor.
+            RuntimeError: with ``state_batch_first=True``, ``hx`` is not ``(B, L*D, hidden_size)`` for this input
+                (the type torch raises for a wrong hidden size, so existing handlers keep working); and torch's
+                own checks: an input whose last dim is not ``input_size``, a state of the wrong size.
+            ValueError: the input is neither 2-D nor 3-D, or not of the weights' dtype (torch's checks).
+        """
         if not self.state_batch_first:
             return super().forward(input, hx)
         return self._forward_batch_first(input, hx)

@@ -18,9 +18,9 @@ from torch import Tensor
 from . import reference
 from .ext import op_checks as checks
 from .ext.loader import LOADED
+from .reference import RNNState
 
 DeviceLike = Union[int, str, torch.device]
-State = Union[Tensor, tuple]
 
 __all__ = [
     "transpose01",
@@ -62,7 +62,23 @@ if LOADED:
     _compiling = torch.compiler.is_compiling
 
     def transpose01(*tensors: Tensor) -> tuple[Tensor, ...]:
-        """Each input (dim >= 2) as ``x.transpose(0, 1).contiguous()``, all in one kernel launch."""
+        """Each input as ``x.transpose(0, 1).contiguous()``, all of them in one kernel launch (an LSTM's h and c
+        together). Bit-identical to :func:`dpfast.reference.transpose01`.
+
+        Differentiable (the backward transposes the gradients back, in one launch too), and traceable by
+        ``torch.compile(fullgraph=True)``.
+
+        Args:
+            *tensors: tensors of 2 or more dims, all on one device (CPU or CUDA); any dtype, any strides.
+
+        Returns:
+            One fresh contiguous tensor per input (never the input itself, nor a view of it), dims 0 and 1
+            swapped; ``()`` for no input.
+
+        Raises:
+            TypeError: an argument is not a Tensor.
+            ValueError: a tensor has fewer than 2 dims, or the tensors are on different devices.
+        """
         if not _compiling():
             out = _fast_transpose01(*tensors)
             if out is not NotImplemented:
@@ -77,7 +93,25 @@ if LOADED:
         return tuple(out)
 
     def split_contiguous(tensors: Sequence[Tensor], dim: int, sizes: Sequence[int]) -> list[list[Tensor]]:
-        """``out[i][j]``: chunk ``j`` (``sizes[j]`` long along ``dim``) of ``tensors[i]``, contiguous; one launch."""
+        """The chunks of each tensor along ``dim``, each contiguous, all tensors and chunks in one kernel launch.
+        Bit-identical to :func:`dpfast.reference.split_contiguous`; differentiable.
+
+        Args:
+            tensors: the tensors to split, all on one device (their dtypes and ranks may differ).
+            dim: the axis to split; a negative ``dim`` counts from the end of each tensor.
+            sizes: the chunk sizes (ints >= 0, zeros allowed), summing to every tensor's size along ``dim``.
+
+        Returns:
+            ``out[i][j]``: chunk ``j`` (``sizes[j]`` long along ``dim``) of ``tensors[i]``, a fresh contiguous
+            tensor.
+
+        Raises:
+            TypeError: ``dim`` or a size is not an int (a bool, a float), ``sizes`` is not an iterable of ints, or
+                an element of ``tensors`` is not a Tensor.
+            IndexError: ``dim`` is out of range for one of the tensors.
+            ValueError: a size is negative, the sizes do not sum to a tensor's size along ``dim``, a tensor is
+                0-dim, or the tensors are on different devices.
+        """
         if not _compiling():
             out = _fast_split(tensors, dim, sizes)
             if out is not NotImplemented:
@@ -91,11 +125,29 @@ if LOADED:
     def scatter(
         tensors: Sequence[Tensor], dim: int, sizes: Sequence[int], devices: Sequence[DeviceLike]
     ) -> list[list[Tensor]]:
-        """``out[i][j]``: chunk ``j`` of ``tensors[i]`` along ``dim``, contiguous, on ``devices[j]``.
+        """The chunks of each tensor along ``dim``, chunk ``j`` on ``devices[j]``. Bit-identical to
+        :func:`dpfast.reference.scatter`.
 
         Chunks are packed on the source device in one launch, then copied asynchronously to their devices (one
-        side stream per destination GPU), ordered against the current streams of both. Backward gathers the
-        gradients onto the source.
+        side stream per destination GPU), ordered against the current streams of both; the host does not wait,
+        except for chunks bound for the CPU. Backward gathers the gradients onto the source.
+
+        Args:
+            tensors: the tensors to split, all on one device.
+            dim: the axis to split; a negative ``dim`` counts from the end of each tensor.
+            sizes: one chunk size per device (ints >= 0), summing to every tensor's size along ``dim``.
+            devices: one destination per chunk: ``torch.device``, ``"cuda:1"``, ``"cpu"``, or an int (a CUDA
+                index); repeats allowed.
+
+        Returns:
+            ``out[i][j]``: chunk ``j`` of ``tensors[i]``, a fresh contiguous tensor on ``devices[j]``.
+
+        Raises:
+            TypeError: as :func:`split_contiguous`, or a device is not an int, str or ``torch.device``.
+            IndexError: ``dim`` is out of range for one of the tensors.
+            ValueError: as :func:`split_contiguous`, or ``sizes`` and ``devices`` differ in length.
+            NotImplementedError: a meta tensor would be copied to a real device (it holds no data).
+            RuntimeError: torch cannot use a device (an unknown device string, a CUDA device that is not there).
         """
         devices = [as_device(d) for d in devices]
         if not _compiling():
@@ -110,7 +162,25 @@ if LOADED:
         return _unflatten("scatter", _scatter(tensors, dim, sizes, devices), len(tensors), len(sizes))
 
     def gather(chunks: Sequence[Tensor], dim: int, device: DeviceLike) -> Tensor:
-        """Concatenate ``chunks`` along ``dim`` on ``device`` (the inverse of :func:`scatter`)."""
+        """Concatenate ``chunks`` along ``dim`` on ``device``: the inverse of :func:`scatter` (its backward
+        scatters the gradient back to the chunks' devices). Bit-identical to :func:`dpfast.reference.gather`.
+
+        Args:
+            chunks: one or more tensors of one dtype and rank, equal in every dim but ``dim``, on any devices.
+            dim: the axis to concatenate; a negative ``dim`` counts from the end.
+            device: where the result goes: ``torch.device``, ``"cuda:1"``, ``"cpu"``, or an int (a CUDA index).
+
+        Returns:
+            A fresh contiguous tensor on ``device``, the chunks in order along ``dim``.
+
+        Raises:
+            TypeError: ``dim`` is not an int, ``device`` is not a device, or a chunk is not a Tensor.
+            IndexError: ``dim`` is out of range for a chunk.
+            ValueError: ``chunks`` is empty, a chunk is 0-dim, or the chunks differ in dtype, rank, or a dim
+                other than ``dim``.
+            NotImplementedError: a meta chunk would be copied to a real device (it holds no data).
+            RuntimeError: torch cannot use ``device`` (an unknown device string, a CUDA device that is not there).
+        """
         device = as_device(device)
         if not _compiling():
             out = _fast_gather(chunks, dim, device)
@@ -173,11 +243,37 @@ else:
     gather = reference.gather
 
 
-def state_to_batch_first(state: State) -> State:
-    """RNN state ``(L*D, B, H)``, or an ``(h, c)`` tuple of them, to ``(B, L*D, H)`` in one launch."""
+def state_to_batch_first(state: RNNState) -> RNNState:
+    """An RNN state from torch's layout ``(L*D, B, H)`` to batch-first ``(B, L*D, H)``, h and c in one launch
+    (:func:`transpose01`), so that a ``dim=0`` split of ``DataParallel`` splits it by sample. Bit-identical to
+    :func:`dpfast.reference.state_to_batch_first`; differentiable.
+
+    Args:
+        state: a GRU/RNN state tensor, or an LSTM's ``(h, c)`` (any non-empty tuple or list of tensors).
+
+    Returns:
+        The same structure (a Tensor, a tuple, a list) of fresh tensors with dims 0 and 1 swapped.
+
+    Raises:
+        TypeError: ``state`` is neither a Tensor nor a non-empty tuple/list of Tensors.
+        ValueError: a tensor has fewer than 2 dims, or the tensors are on different devices.
+    """
     return reference._map_state(state, "state_to_batch_first", transpose01)
 
 
-def state_to_layer_first(state: State) -> State:
-    """RNN state ``(B, L*D, H)``, or an ``(h, c)`` tuple of them, to ``(L*D, B, H)`` in one launch."""
+def state_to_layer_first(state: RNNState) -> RNNState:
+    """A batch-first RNN state ``(B, L*D, H)`` back to torch's layout ``(L*D, B, H)``, h and c in one launch:
+    what ``torch.nn.LSTM``/``GRU``/``RNN`` take as ``hx``. The inverse of :func:`state_to_batch_first`;
+    bit-identical to :func:`dpfast.reference.state_to_layer_first`; differentiable.
+
+    Args:
+        state: a batch-first GRU/RNN state tensor, or an LSTM's ``(h, c)`` (any non-empty tuple or list of tensors).
+
+    Returns:
+        The same structure (a Tensor, a tuple, a list) of fresh tensors with dims 0 and 1 swapped.
+
+    Raises:
+        TypeError: ``state`` is neither a Tensor nor a non-empty tuple/list of Tensors.
+        ValueError: a tensor has fewer than 2 dims, or the tensors are on different devices.
+    """
     return reference._map_state(state, "state_to_layer_first", transpose01)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Union
 
 import torch
 from torch import Tensor
@@ -30,7 +30,10 @@ def add_example_args(parser: argparse.ArgumentParser, batch: int, steps: int) ->
     parser.add_argument("--steps", type=int, default=steps, help="training steps (default: %(default)s)")
 
 
-def pick_devices(spec: str = "auto") -> tuple[list, str]:
+DeviceIds = Sequence[Union[int, str]]  # what pick_devices gives DataParallel: CUDA indices, or "cpu" repeated
+
+
+def pick_devices(spec: str = "auto") -> tuple[DeviceIds, str]:
     """``device_ids`` for ``dpfast.DataParallel`` and a sentence saying why."""
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if spec == "auto":
@@ -50,7 +53,7 @@ def pick_devices(spec: str = "auto") -> tuple[list, str]:
     return ids, f"device_ids={ids}"
 
 
-def home_device(device_ids: Sequence) -> torch.device:
+def home_device(device_ids: DeviceIds) -> torch.device:
     d = device_ids[0]
     return torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
 
@@ -119,7 +122,9 @@ def _tensors(obj: Any) -> Iterable[Tensor | None]:
         raise TypeError(f"cannot compare a {type(obj).__name__}")
 
 
-def show_scatter_error(report: Report, dp: torch.nn.Module, args: tuple, kwargs: dict) -> str | None:
+def show_scatter_error(
+    report: Report, dp: dpfast.DataParallel, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> str | None:
     """Call ``dp`` expecting :class:`dpfast.ScatterError`; print it and return its message (None if not raised)."""
     if len(dp.device_ids) < 2:  # one device: like torch, nothing is split, so nothing can be split wrongly
         report.say("(one device: nothing is split, so there is no error to show; try --devices cpu:4)")
@@ -143,5 +148,5 @@ def sgd_step(model: torch.nn.Module, lr: float) -> None:
     with torch.no_grad():
         for p in model.parameters():
             if p.grad is not None:
-                p -= lr * p.grad
+                p.sub_(lr * p.grad)
                 p.grad = None

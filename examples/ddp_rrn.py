@@ -27,11 +27,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import Tensor
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rrn import IN_DIMS, OUT_DIMS, Config, build_model, make_batch, reason, sgd_step  # noqa: E402
+import dpfast
 
-import dpfast  # noqa: E402
+try:
+    from ._common import sgd_step
+    from .rrn import IN_DIMS, OUT_DIMS, Call, Config, build_model, make_batch, reason
+except ImportError:  # run as a script: torchrun examples/ddp_rrn.py
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _common import sgd_step  # type: ignore[import-not-found,no-redef]
+    from rrn import IN_DIMS, OUT_DIMS, Call, Config, build_model, make_batch, reason  # type: ignore[import-not-found,no-redef]
 
 
 def setup() -> torch.device:
@@ -45,8 +51,8 @@ def setup() -> torch.device:
     return torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
 
 
-def loss_of(results, target, output_dim):
-    return sum(F.cross_entropy(o.reshape(-1, output_dim), target.reshape(-1)) for o, _, _ in results)
+def loss_of(results: list[Call], target: Tensor, output_dim: int) -> Tensor:
+    return torch.stack([F.cross_entropy(o.reshape(-1, output_dim), target.reshape(-1)) for o, _, _ in results]).sum()
 
 
 def check(cfg: Config, device: torch.device, batch: int) -> float:
@@ -65,7 +71,8 @@ def check(cfg: Config, device: torch.device, batch: int) -> float:
     gen = torch.Generator().manual_seed(1234)
     x, target = make_batch(cfg, gen, device, batch=batch)
     x = x.double()
-    h0 = tuple(torch.randn(t.shape, generator=gen, dtype=torch.float64).to(device) for t in plain.reset_g(batch))
+    h, c = (torch.randn(t.shape, generator=gen, dtype=torch.float64).to(device) for t in plain.reset_g(batch))
+    h0 = (h, c)
     got = reason(ddp, x, h0, cfg.reasoning_steps)
     want = reason(plain, x, h0, cfg.reasoning_steps)
     loss_of(got, target, cfg.output_dim).backward()
@@ -118,9 +125,11 @@ def main() -> int:
         loss.backward()
         sgd_step(model, cfg.lr)
         losses.append(loss.item())
+        share = ddp.share
+        assert share is not None  # set by the forward above
         say(
-            f"  step {step + 1}: loss {loss.item():.4f}   (rank 0 ran rows {ddp.share.start}:{ddp.share.stop} "
-            f"of {ddp.share.batch_size})"
+            f"  step {step + 1}: loss {loss.item():.4f}   (rank 0 ran rows {share.start}:{share.stop} "
+            f"of {share.batch_size})"
         )
 
     # 3. the replicas stayed identical (DDP's all-reduce) and every rank saw the same loss

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch import Tensor
 from torch.nn import LSTM
 
 import dpfast
@@ -40,11 +41,13 @@ import dpfast
 try:
     from ._common import Report, add_example_args, home_device, pick_devices, sgd_step, show_scatter_error, title
 except ImportError:  # run as a script: python examples/rrn.py
-    from _common import Report, add_example_args, home_device, pick_devices, sgd_step, show_scatter_error, title
+    from _common import Report, add_example_args, home_device, pick_devices, sgd_step, show_scatter_error, title  # type: ignore[import-not-found,no-redef]
 
 # The one-line fix: the LSTM state `h` has its batch on axis 1, in and out.
 IN_DIMS = {"h": 1}
 OUT_DIMS = (0, 0, 1)  # (out, hidden, h)
+State = tuple[Tensor, Tensor]  # the LSTM's (h, c), each (g_layers, B, dim_hidden)
+Call = tuple[Tensor, Tensor, State]  # what one RRN call returns: (out, hidden, h)
 SEED_ERROR = "RuntimeError: Expected hidden[0] size (1, 2500, 50), got (1, 10000, 50)"
 
 
@@ -57,9 +60,11 @@ class MLP(nn.Module):
     ``dropout=True`` adds dropout after each hidden layer (the seed builds its output MLP ``o`` with it).
     """
 
-    def __init__(self, input_dim, hidden_dims, output_dim, dropout=False, dropout_p=0.5):
+    def __init__(
+        self, input_dim: int, hidden_dims: Sequence[int], output_dim: int, dropout: bool = False, dropout_p: float = 0.5
+    ) -> None:
         super().__init__()
-        layers = []
+        layers: list[nn.Module] = []
         last = input_dim
         for dim in hidden_dims:
             layers += [nn.Linear(last, dim), nn.ReLU()]
@@ -69,8 +74,9 @@ class MLP(nn.Module):
         layers.append(nn.Linear(last, output_dim))
         self.layers = nn.Sequential(*layers)
 
-    def forward(self, x):
-        return self.layers(x)
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.layers(x)
+        return out
 
 
 class RRN(nn.Module):
@@ -78,16 +84,16 @@ class RRN(nn.Module):
 
     def __init__(
         self,
-        dim_hidden,
-        message_dim,
-        output_dim,
-        f_dims,
-        o_dims,
-        device,
-        g_layers=1,
-        edge_attribute_dim=0,
-        single_output=False,
-    ):
+        dim_hidden: int,
+        message_dim: int,
+        output_dim: int,
+        f_dims: Sequence[int],
+        o_dims: Sequence[int],
+        device: torch.device,
+        g_layers: int = 1,
+        edge_attribute_dim: int = 0,
+        single_output: bool = False,
+    ) -> None:
         """
         :param edge_attribute_dim: 0 if edges have no attributes, else an integer. Default 0.
         :param single_output: True if RRN emits only one output at a time, False if it emits as many outputs as
@@ -121,7 +127,7 @@ class RRN(nn.Module):
         input_o_dim = self.dim_hidden
         self.o = MLP(input_o_dim, self.o_dims, self.output_dim, dropout=True)
 
-    def forward(self, x, hidden, h, edge_attribute=None):
+    def forward(self, x: Tensor, hidden: Tensor, h: State, edge_attribute: Tensor | None = None) -> Call:
         """
         This can be called repeatedly after hidden states are set.
         :param x: inputs to the RRN nodes
@@ -166,7 +172,7 @@ class RRN(nn.Module):
 
         return out, hidden, h
 
-    def reset_g(self, b):
+    def reset_g(self, b: int) -> State:
         # hidden is composed by hidden and cell state vectors
         self.batch_size = b
         h = (
@@ -186,15 +192,15 @@ class Config:
     dim_hidden: int = 32
     message_dim: int = 32
     output_dim: int = 4
-    f_dims: tuple = (64, 64)
-    o_dims: tuple = (64,)
+    f_dims: tuple[int, ...] = (64, 64)
+    o_dims: tuple[int, ...] = (64,)
     g_layers: int = 1
     reasoning_steps: int = 3  # calls per batch, each feeding (hidden, h) back in
     train_steps: int = 5
     lr: float = 0.2
 
 
-def build_model(cfg: Config, device="cpu") -> RRN:
+def build_model(cfg: Config, device: str | torch.device = "cpu") -> RRN:
     device = torch.device(device)
     return RRN(
         cfg.dim_hidden,
@@ -207,7 +213,9 @@ def build_model(cfg: Config, device="cpu") -> RRN:
     ).to(device)
 
 
-def make_batch(cfg: Config, generator: torch.Generator, device="cpu", batch: int | None = None):
+def make_batch(
+    cfg: Config, generator: torch.Generator, device: str | torch.device = "cpu", batch: int | None = None
+) -> tuple[Tensor, Tensor]:
     """Facts ``x`` of shape (B, N_facts, dim_hidden) and a label per fact, which depends on the other facts."""
     b = cfg.batch if batch is None else batch
     x = torch.randn(b, cfg.n_facts, cfg.dim_hidden, generator=generator)
@@ -216,17 +224,17 @@ def make_batch(cfg: Config, generator: torch.Generator, device="cpu", batch: int
     return x.to(device), target.to(device)
 
 
-def reason(net, x: torch.Tensor, h, steps: int):
+def reason(net: nn.Module, x: Tensor, h: State, steps: int) -> list[Call]:
     """``steps`` calls of the RRN, feeding the returned node states and LSTM state back in, as the project does."""
     hidden = x
-    results = []
+    results: list[Call] = []
     for _ in range(steps):
         out, hidden, h = net(x, hidden, h)
         results.append((out, hidden, h))
     return results
 
 
-def train(dp: nn.Module, model: RRN, cfg: Config, x, target, report: Report) -> list[float]:
+def train(dp: nn.Module, model: RRN, cfg: Config, x: Tensor, target: Tensor, report: Report) -> list[float]:
     """``cfg.train_steps`` steps on one batch (so the falling loss is visible), through ``dp``."""
     model.train()
     losses = []
@@ -234,7 +242,9 @@ def train(dp: nn.Module, model: RRN, cfg: Config, x, target, report: Report) -> 
         t0 = time.perf_counter()
         h = model.reset_g(x.size(0))
         results = reason(dp, x, h, cfg.reasoning_steps)
-        loss = sum(F.cross_entropy(out.reshape(-1, cfg.output_dim), target.reshape(-1)) for out, _, _ in results)
+        loss = torch.stack(
+            [F.cross_entropy(out.reshape(-1, cfg.output_dim), target.reshape(-1)) for out, _, _ in results]
+        ).sum()
         loss.backward()
         sgd_step(model, cfg.lr)
         losses.append(loss.item())
@@ -247,13 +257,13 @@ def train(dp: nn.Module, model: RRN, cfg: Config, x, target, report: Report) -> 
 
 def check_against_plain(
     model: RRN,
-    device_ids: Sequence,
-    x: torch.Tensor,
-    target: torch.Tensor,
+    device_ids: Sequence[int | str],
+    x: Tensor,
+    target: Tensor,
     steps: int,
     report: Report,
-    in_dims=IN_DIMS,
-    out_dims=OUT_DIMS,
+    in_dims: dict[str, int] = IN_DIMS,
+    out_dims: tuple[int, ...] = OUT_DIMS,
 ) -> bool:
     """Run float64 copies of ``model`` (eval mode: dropout off) with and without dpfast on the same batch for
     ``steps`` calls, each feeding the returned state back; outputs, states, and the gradients of every parameter and
@@ -264,11 +274,9 @@ def check_against_plain(
     gen = torch.Generator().manual_seed(1234)
     h0 = [torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in model.reset_g(x.size(0))]
 
-    def leaves():
-        return (
-            x.detach().double().clone().requires_grad_(),
-            tuple(t.to(x.device).clone().requires_grad_() for t in h0),
-        )
+    def leaves() -> tuple[Tensor, State]:
+        h, c = (t.to(x.device).clone().requires_grad_() for t in h0)
+        return x.detach().double().clone().requires_grad_(), (h, c)
 
     (xa, ha), (xb, hb) = leaves(), leaves()
     got, want = reason(dp, xa, ha, steps), reason(plain, xb, hb, steps)
@@ -276,14 +284,19 @@ def check_against_plain(
     for k, ((o1, n1, s1), (o2, n2, s2)) in enumerate(zip(got, want), 1):
         ok &= report.compare(f"call {k}: out, hidden, h=(h_n, c_n)", (o1, n1, s1), (o2, n2, s2))
 
-    def loss_of(results):
-        out_loss = sum(F.cross_entropy(o.reshape(-1, o.size(-1)), target.reshape(-1)) for o, _, _ in results)
+    def loss_of(results: list[Call]) -> Tensor:
+        out_loss = torch.stack(
+            [F.cross_entropy(o.reshape(-1, o.size(-1)), target.reshape(-1)) for o, _, _ in results]
+        ).sum()
         h_n, c_n = results[-1][2]
         return out_loss + h_n.pow(2).mean() + c_n.sin().mean()
 
     loss_of(got).backward()
     loss_of(want).backward()
-    grads = lambda m: [p.grad for p in m.parameters()]  # noqa: E731
+
+    def grads(m: nn.Module) -> list[Tensor | None]:
+        return [p.grad for p in m.parameters()]
+
     n_params = sum(1 for _ in plain.parameters())
     ok &= report.compare(f"gradients of all {n_params} parameters", grads(wrapped), grads(plain))
     ok &= report.compare(
@@ -319,7 +332,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     h = model.reset_g(x.size(0))
 
     title(report, "Problem: every input split on dim 0, as torch.nn.DataParallel does")
-    report.say(f"The seed, under torch.nn.DataParallel:  {SEED_ERROR}")
+    report.say(
+        "torch.nn.DataParallel fails on the seed (quoted from the seed's report: its batch of 10,000 on 4 GPUs):",
+        f"  {SEED_ERROR}",
+    )
     error = show_scatter_error(report, dpfast.DataParallel(model, device_ids), (x, x, h), {})
 
     title(report, f"Fix, one line: dpfast.DataParallel(model, in_dims={IN_DIMS}, out_dims={OUT_DIMS})")

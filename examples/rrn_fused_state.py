@@ -33,22 +33,23 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 import dpfast
 
 try:
     from ._common import Report, add_example_args, home_device, pick_devices, title
-    from .rrn import RRN, Config, make_batch, reason, train
+    from .rrn import RRN, Call, Config, State, make_batch, reason, train
 except ImportError:  # run as a script: python examples/rrn_fused_state.py
-    from _common import Report, add_example_args, home_device, pick_devices, title
-    from rrn import RRN, Config, make_batch, reason, train
+    from _common import Report, add_example_args, home_device, pick_devices, title  # type: ignore[import-not-found,no-redef]
+    from rrn import RRN, Call, Config, State, make_batch, reason, train  # type: ignore[import-not-found,no-redef]
 
 
 class RRNFusedState(RRN):
     """The seed's RRN with the blog's batch-first LSTM state, converted with ``dpfast.ops``. Same parameters (and
     state dict keys) as :class:`RRN`."""
 
-    def forward(self, x, hidden, h, edge_attribute=None):
+    def forward(self, x: Tensor, hidden: Tensor, h: State, edge_attribute: Tensor | None = None) -> Call:
         """
         :param x: inputs to the RRN nodes
         :param hidden: hidden states of RRN nodes (B, N_facts, H)
@@ -96,7 +97,7 @@ class RRNFusedState(RRN):
 
         return out, hidden, h
 
-    def reset_g(self, b):
+    def reset_g(self, b: int) -> State:
         # hidden is composed by hidden and cell state vectors, batch first (the blog's reset_g)
         h = (
             torch.zeros(b, self.g_layers, self.dim_hidden, device=self.device, requires_grad=True),
@@ -105,7 +106,7 @@ class RRNFusedState(RRN):
         return h
 
 
-def build_model(cfg: Config, device="cpu") -> RRNFusedState:
+def build_model(cfg: Config, device: str | torch.device = "cpu") -> RRNFusedState:
     device = torch.device(device)
     return RRNFusedState(
         cfg.dim_hidden,
@@ -136,7 +137,7 @@ def as_seed_model(model: RRNFusedState) -> RRN:
 
 
 def check_against_seed(
-    model: RRNFusedState, device_ids: Sequence, x: torch.Tensor, target: torch.Tensor, steps: int, report: Report
+    model: RRNFusedState, device_ids: Sequence[int | str], x: Tensor, target: Tensor, steps: int, report: Report
 ) -> bool:
     """float64, eval mode: ``dpfast.DataParallel(model)`` (default dim=0) for ``steps`` calls feeding the state back
     equals the seed's unwrapped RRN with the same weights and the state transposed; gradients too."""
@@ -147,8 +148,8 @@ def check_against_seed(
     h0 = [torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in model.reset_g(x.size(0))]  # (B, L, H)
     xa = x.detach().double().clone().requires_grad_()
     xb = x.detach().double().clone().requires_grad_()
-    ha = tuple(t.to(x.device).clone().requires_grad_() for t in h0)
-    hb = tuple(t.to(x.device).transpose(0, 1).contiguous().requires_grad_() for t in h0)  # (L, B, H)
+    ha = _pair([t.to(x.device).clone().requires_grad_() for t in h0])
+    hb = _pair([t.to(x.device).transpose(0, 1).contiguous().requires_grad_() for t in h0])  # (L, B, H)
     got, want = reason(dp, xa, ha, steps), reason(seed, xb, hb, steps)
     ok = True
     for k, ((o1, n1, s1), (o2, n2, s2)) in enumerate(zip(got, want), 1):
@@ -156,8 +157,10 @@ def check_against_seed(
             f"call {k}: out, hidden, h (transposed)", (o1, n1, [t.transpose(0, 1) for t in s1]), (o2, n2, s2)
         )
 
-    def loss_of(results):
-        out_loss = sum(F.cross_entropy(o.reshape(-1, o.size(-1)), target.reshape(-1)) for o, _, _ in results)
+    def loss_of(results: list[Call]) -> Tensor:
+        out_loss = torch.stack(
+            [F.cross_entropy(o.reshape(-1, o.size(-1)), target.reshape(-1)) for o, _, _ in results]
+        ).sum()
         h_n, c_n = results[-1][2]
         return out_loss + h_n.pow(2).mean() + c_n.sin().mean()
 
@@ -168,10 +171,19 @@ def check_against_seed(
     )
     ok &= report.compare(
         "gradients of x and of the initial (h0, c0)",
-        (xa.grad, ha[0].grad.transpose(0, 1), ha[1].grad.transpose(0, 1)),
+        (xa.grad, _transposed(ha[0].grad), _transposed(ha[1].grad)),
         (xb.grad, hb[0].grad, hb[1].grad),
     )
     return ok
+
+
+def _pair(tensors: Sequence[Tensor]) -> State:
+    h, c = tensors
+    return h, c
+
+
+def _transposed(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.transpose(0, 1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

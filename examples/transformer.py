@@ -35,13 +35,14 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch import Tensor
 
 import dpfast
 
 try:
     from ._common import Report, add_example_args, home_device, pick_devices, sgd_step, show_scatter_error, title
 except ImportError:  # run as a script: python examples/transformer.py
-    from _common import Report, add_example_args, home_device, pick_devices, sgd_step, show_scatter_error, title
+    from _common import Report, add_example_args, home_device, pick_devices, sgd_step, show_scatter_error, title  # type: ignore[import-not-found,no-redef]
 
 # The one-line fix: the (T, T) mask is shared by every replica; the output is (T, B, V).
 IN_DIMS = {"tgt_mask": None}
@@ -64,7 +65,9 @@ class PositionalEncoding(nn.Module):
     position, as the guide intends; ``batch_index_bug=True`` restores the guide's behaviour (see the tests).
     """
 
-    def __init__(self, dim_model, dropout_p, max_len, batch_index_bug=False):
+    pos_encoding: Tensor  # a buffer, (max_len, 1, dim_model)
+
+    def __init__(self, dim_model: int, dropout_p: float, max_len: int, batch_index_bug: bool = False) -> None:
         super().__init__()
         # Modified version from: https://pytorch.org/tutorials/beginner/transformer_tutorial.html
         # max_len determines how far the position can have an effect on a token (window)
@@ -90,12 +93,14 @@ class PositionalEncoding(nn.Module):
         pos_encoding = pos_encoding.unsqueeze(0).transpose(0, 1)  # (max_len, 1, dim_model)
         self.register_buffer("pos_encoding", pos_encoding)
 
-    def forward(self, token_embedding: torch.Tensor) -> torch.Tensor:
+    def forward(self, token_embedding: Tensor) -> Tensor:
         # Residual connection + pos encoding
         if self.batch_index_bug:  # the guide's line: size(0) is the batch size here
-            return self.dropout(token_embedding + self.pos_encoding[: token_embedding.size(0), :])
+            out: Tensor = self.dropout(token_embedding + self.pos_encoding[: token_embedding.size(0), :])
+            return out
         # (batch, seq, dim) + (1, seq, dim)
-        return self.dropout(token_embedding + self.pos_encoding[: token_embedding.size(1)].transpose(0, 1))
+        out = self.dropout(token_embedding + self.pos_encoding[: token_embedding.size(1)].transpose(0, 1))
+        return out
 
 
 class Transformer(nn.Module):
@@ -107,14 +112,14 @@ class Transformer(nn.Module):
     # Constructor
     def __init__(
         self,
-        src_tokens,
-        tgt_tokens,
-        dim_model,
-        num_heads,
-        num_encoder_layers,
-        num_decoder_layers,
-        dropout_p,
-    ):
+        src_tokens: int,
+        tgt_tokens: int,
+        dim_model: int,
+        num_heads: int,
+        num_encoder_layers: int,
+        num_decoder_layers: int,
+        dropout_p: float,
+    ) -> None:
         super().__init__()
 
         # INFO
@@ -134,7 +139,14 @@ class Transformer(nn.Module):
         )
         self.out = nn.Linear(dim_model, tgt_tokens)
 
-    def forward(self, src, tgt, tgt_mask=None, src_pad_mask=None, tgt_pad_mask=None):
+    def forward(
+        self,
+        src: Tensor,
+        tgt: Tensor,
+        tgt_mask: Tensor | None = None,
+        src_pad_mask: Tensor | None = None,
+        tgt_pad_mask: Tensor | None = None,
+    ) -> Tensor:
         # Src size must be (batch_size, src sequence length)
         # Tgt size must be (batch_size, tgt sequence length)
 
@@ -155,12 +167,12 @@ class Transformer(nn.Module):
         transformer_out = self.transformer(
             src, tgt, tgt_mask=tgt_mask, src_key_padding_mask=src_pad_mask, tgt_key_padding_mask=tgt_pad_mask
         )
-        out = self.out(transformer_out)
+        out: Tensor = self.out(transformer_out)
 
         return out
 
 
-def get_tgt_mask(size) -> torch.Tensor:
+def get_tgt_mask(size: int) -> Tensor:
     """The guide's causal mask: 0 on and below the diagonal, -inf above."""
     mask = torch.tril(torch.ones(size, size) == 1)  # Lower triangular matrix
     mask = mask.float()
@@ -169,7 +181,7 @@ def get_tgt_mask(size) -> torch.Tensor:
     return mask
 
 
-def create_pad_mask(matrix: torch.Tensor, pad_token: int) -> torch.Tensor:
+def create_pad_mask(matrix: Tensor, pad_token: int) -> Tensor:
     return matrix == pad_token
 
 
@@ -191,7 +203,7 @@ class Config:
     lr: float = 0.05
 
 
-def build_model(cfg: Config, device="cpu") -> Transformer:
+def build_model(cfg: Config, device: str | torch.device = "cpu") -> Transformer:
     return Transformer(
         src_tokens=cfg.tokens,
         tgt_tokens=cfg.tokens,
@@ -203,7 +215,9 @@ def build_model(cfg: Config, device="cpu") -> Transformer:
     ).to(device)
 
 
-def make_batch(cfg: Config, generator: torch.Generator, device="cpu", batch: int | None = None):
+def make_batch(
+    cfg: Config, generator: torch.Generator, device: str | torch.device = "cpu", batch: int | None = None
+) -> tuple[Tensor, Tensor]:
     """A copy task with padding: X (B, S) random words with a padded tail, y = SOS + the first words of X."""
     b = cfg.batch if batch is None else batch
     X = torch.randint(2, cfg.tokens, (b, cfg.src_len), generator=generator)
@@ -213,7 +227,7 @@ def make_batch(cfg: Config, generator: torch.Generator, device="cpu", batch: int
     return X.to(device), y.to(device)
 
 
-def model_inputs(X: torch.Tensor, y: torch.Tensor):
+def model_inputs(X: Tensor, y: Tensor) -> tuple[tuple[Tensor, ...], dict[str, Tensor], Tensor]:
     """The seed's train_loop, up to the model call: positional (X, y_input), keyword masks."""
     y_input = y[:, :-1]
     y_expected = y[:, 1:]
@@ -225,12 +239,12 @@ def model_inputs(X: torch.Tensor, y: torch.Tensor):
     return (X, y_input), kwargs, y_expected
 
 
-def loss_fn(pred: torch.Tensor, y_expected: torch.Tensor) -> torch.Tensor:
+def loss_fn(pred: Tensor, y_expected: Tensor) -> Tensor:
     # Permute pred to have batch size first again: (T, B, V) -> (B, V, T)
     return F.cross_entropy(pred.permute(1, 2, 0), y_expected, ignore_index=PAD)
 
 
-def train(dp: nn.Module, model: Transformer, cfg: Config, X, y, report: Report) -> list[float]:
+def train(dp: nn.Module, model: Transformer, cfg: Config, X: Tensor, y: Tensor, report: Report) -> list[float]:
     """``cfg.train_steps`` steps on one batch (so the falling loss is visible), through ``dp``."""
     model.train()
     losses = []
@@ -251,13 +265,13 @@ def train(dp: nn.Module, model: Transformer, cfg: Config, X, y, report: Report) 
 
 def check_against_plain(
     model: Transformer,
-    device_ids: Sequence,
-    X: torch.Tensor,
-    y: torch.Tensor,
+    device_ids: Sequence[int | str],
+    X: Tensor,
+    y: Tensor,
     report: Report,
-    in_dims=IN_DIMS,
-    out_dims=OUT_DIMS,
-    call_with_keywords=True,
+    in_dims: dict[str, None] = IN_DIMS,
+    out_dims: int = OUT_DIMS,
+    call_with_keywords: bool = True,
 ) -> bool:
     """Run float64 copies of ``model`` (eval mode: dropout off) with and without dpfast on the same batch; the
     output and the gradients of every parameter must be equal. ``call_with_keywords=False`` passes the masks by
@@ -275,7 +289,10 @@ def check_against_plain(
     ok = report.compare(f"output (T, B, V), masks by {how}", got, want)
     loss_fn(got, y_expected).backward()
     loss_fn(want, y_expected).backward()
-    grads = lambda m: [p.grad for p in m.parameters()]  # noqa: E731
+
+    def grads(m: nn.Module) -> list[Tensor | None]:
+        return [p.grad for p in m.parameters()]
+
     n_params = sum(1 for _ in plain.parameters())
     ok &= report.compare(f"gradients of all {n_params} parameters", grads(wrapped), grads(plain))
     return ok
@@ -313,7 +330,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     margs, mkwargs, _ = model_inputs(X, y)
 
     title(report, "Problem: every input split on dim 0, as torch.nn.DataParallel does")
-    report.say(f"The seed, under torch.nn.DataParallel:  {SEED_ERROR}")
+    report.say(
+        "torch.nn.DataParallel fails on the seed (quoted from the seed's report: its (3225, 3225) mask on 6 GPUs):",
+        f"  {SEED_ERROR}",
+    )
     error = show_scatter_error(report, dpfast.DataParallel(model, device_ids), margs, mkwargs)
 
     title(report, f"Fix, one line: dpfast.DataParallel(model, in_dims={IN_DIMS}, out_dims={OUT_DIMS})")

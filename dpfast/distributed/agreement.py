@@ -25,6 +25,8 @@ from .exchanges import RankGroup, fingerprint
 class DistributedBatchError(ScatterError):
     """The ranks were not given the same global batch (or one rank's inputs are bad); raised on every rank."""
 
+    __module__ = "dpfast"  # printed and pickled as dpfast.DistributedBatchError, the name users catch it by
+
 
 def _local_summary(plan: CallPlan | None, error: BaseException | None) -> str:
     if error is not None or plan is None:

@@ -15,6 +15,7 @@ import json
 import os
 import warnings
 from types import ModuleType
+from typing import TypedDict
 
 import torch
 
@@ -100,12 +101,45 @@ else:
 LOADED: bool = C is not None
 
 
-def build_info() -> dict:
-    """Facts about this build: versions, whether the extension loaded, and which kernels were compiled."""
+class BuildInfo(TypedDict):
+    """What :func:`build_info` returns: a plain ``dict`` at run time, with these keys and value types."""
+
+    dpfast_version: str
+    torch_version: str  # the running torch, "2.14.1+cu130"
+    torch_cuda_version: str | None  # the CUDA that torch was built with; None: a CPU-only torch
+    cuda_available: bool
+    cuda_device_count: int
+    extension_loaded: bool  # False: dpfast.ops runs on the dpfast.reference fallback
+    extension_error: str | None  # why the extension did not load
+    cuda_kernels_compiled: bool
+    cuda_arch_list: str | None  # TORCH_CUDA_ARCH_LIST of the compiled CUDA kernels, "9.0"
+    built_with_torch: str | None  # the torch the extension was compiled against
+    build_reason: str | None  # setup.py's build decision (DPFAST_CUDA, the toolkit it found)
+    debug_build: bool | None  # None: not recorded
+    ops_backend: str  # "torch.ops.dpfast (C++)" or "dpfast.reference (plain PyTorch fallback)"
+
+
+def build_info() -> BuildInfo:
+    """Facts about this build: versions, whether the extension loaded, and which kernels were compiled.
+
+    ``python -m dpfast info`` prints them (``--json``: this dict). The build facts come from the record setup.py
+    wrote beside the extension (``_build.json``) and from the extension itself, as ``import dpfast`` loaded it.
+
+    Returns:
+        A dict with the keys of :class:`BuildInfo`: ``dpfast_version``, ``torch_version``, ``torch_cuda_version``
+        (``None`` for a CPU-only torch), ``cuda_available``, ``cuda_device_count``, ``extension_loaded`` and
+        ``extension_error`` (why not, or ``None``), ``cuda_kernels_compiled``, ``cuda_arch_list``,
+        ``built_with_torch``, ``build_reason``, ``debug_build``, and ``ops_backend`` (the C++ ops or the
+        plain-PyTorch fallback). A fresh dict each call.
+
+    Raises:
+        Nothing: a missing or unusable extension is reported here (``extension_loaded``, ``extension_error``), not
+        raised. (With ``DPFAST_REQUIRE_EXTENSION=1`` it is an ``ImportError`` at ``import dpfast`` instead.)
+    """
     from .. import __version__
 
     record = RECORD or {}
-    info: dict = {
+    return {
         "dpfast_version": __version__,
         "torch_version": torch.__version__,
         "torch_cuda_version": torch.version.cuda,
@@ -120,4 +154,3 @@ def build_info() -> dict:
         "debug_build": record.get("debug"),
         "ops_backend": "torch.ops.dpfast (C++)" if LOADED else "dpfast.reference (plain PyTorch fallback)",
     }
-    return info

@@ -5,3 +5,5 @@ from __future__ import annotations
 
 class ScatterError(ValueError):
     """The inputs cannot be split into one batch: the message lists every mapped tensor and suggests a fix."""
+
+    __module__ = "dpfast"  # printed and pickled as dpfast.ScatterError, the name users catch it by

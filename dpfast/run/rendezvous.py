@@ -28,6 +28,8 @@ _LOCAL = threading.local()
 class CollectiveError(RuntimeError):
     """A collective that cannot complete. ``secondary`` when another replica's exception is the cause."""
 
+    __module__ = "dpfast"  # printed and pickled as dpfast.CollectiveError, the name users catch it by
+
     def __init__(self, message: str, secondary: bool = False):
         super().__init__(message)
         self.secondary = secondary

@@ -23,6 +23,21 @@ class SyncBatchNorm(_BatchNorm):
 
     Same arguments, parameters, buffers and state-dict keys as the torch modules (state dicts load into and from
     them). Inputs of 2 or more dims, channels on dim 1. Convert a model with :meth:`convert_sync_batchnorm`.
+
+    Under ``dpfast.DataParallel`` a train step equals plain BatchNorm on the whole batch (outputs, gradients,
+    running statistics, ``num_batches_tracked``); under ``torch.distributed`` the statistics span the process
+    group's ranks; called directly, or in eval mode, it is BatchNorm.
+
+    Args:
+        num_features: ``C``, the number of channels (dim 1 of the input).
+        eps: added to the variance for numerical stability.
+        momentum: the running statistics' update factor; ``None`` for a cumulative average.
+        affine: learn a per-channel ``weight`` and ``bias``.
+        track_running_stats: keep ``running_mean``/``running_var`` (and use them in eval mode).
+        device: where the parameters and buffers are made.
+        dtype: their dtype.
+        bias: keyword-only, where torch's BatchNorm takes it: with ``affine``, learn the bias too (``False``: the
+            weight only). ``bias=False`` fails in a synchronized training step for now (a known defect).
     """
 
     def _check_input_dim(self, input: Tensor) -> None:
@@ -33,6 +48,23 @@ class SyncBatchNorm(_BatchNorm):
             )
 
     def forward(self, input: Tensor) -> Tensor:
+        """Batch-normalize ``input`` over the whole batch: in training, every replica's (or rank's) samples.
+
+        Every replica (or rank) of the call must call it, in the same order (it is a collective in training).
+
+        Args:
+            input: ``(N, C)``, ``(N, C, L)``, ``(N, C, H, W)`` or ``(N, C, D, H, W)``.
+
+        Returns:
+            The normalized input, of its shape and dtype. In training the running statistics are updated as
+            BatchNorm updates them (on replicas other than replica 0 those updates are discarded, as on other GPUs).
+
+        Raises:
+            ValueError: ``input`` has fewer than 2 dims, or (in training, on the CPU) the whole batch holds only
+                one value per channel.
+            dpfast.CollectiveError: the replicas of a ``DataParallel`` call disagree (different channel counts or
+                dtypes), or one of them did not reach this collective.
+        """
         self._check_input_dim(input)
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
@@ -83,7 +115,19 @@ class SyncBatchNorm(_BatchNorm):
     @classmethod
     def convert_sync_batchnorm(cls, module: nn.Module) -> nn.Module:
         """``module`` with every BatchNorm1d/2d/3d (and torch's SyncBatchNorm) replaced by a dpfast
-        SyncBatchNorm holding the same parameters and buffers (returns the new module when ``module`` is one)."""
+        SyncBatchNorm holding the same parameters and buffers.
+
+        Args:
+            module: a model, or a single BatchNorm module.
+
+        Returns:
+            ``module`` itself, its BatchNorm submodules replaced in place; a new SyncBatchNorm when ``module`` is
+            itself a BatchNorm. The new modules share the old ones' ``Parameter`` and buffer tensors (no copy),
+            and keep their training mode.
+
+        Raises:
+            Nothing of its own: modules other than BatchNorm are left as they are.
+        """
         out = module
         if isinstance(module, _BatchNorm) and not isinstance(module, cls):
             out = cls(
@@ -116,5 +160,17 @@ def _device_of(module: nn.Module) -> torch.device | None:
 
 
 def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
-    """:meth:`SyncBatchNorm.convert_sync_batchnorm`: every BatchNorm of ``module`` becomes a dpfast SyncBatchNorm."""
+    """Every BatchNorm1d/2d/3d of ``module`` (and torch's SyncBatchNorm) becomes a dpfast :class:`SyncBatchNorm`
+    holding the same parameters and buffers: :meth:`SyncBatchNorm.convert_sync_batchnorm`.
+
+    Args:
+        module: a model, or a single BatchNorm module.
+
+    Returns:
+        ``module`` itself, its BatchNorm submodules replaced in place; a new SyncBatchNorm when ``module`` is itself
+        a BatchNorm.
+
+    Raises:
+        Nothing of its own: modules other than BatchNorm are left as they are.
+    """
     return SyncBatchNorm.convert_sync_batchnorm(module)

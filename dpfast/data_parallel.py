@@ -23,7 +23,7 @@ from .plan.call_plan import CallPlan, passthrough_plan, plan_call
 from .plan.costs import CostSpec
 from .plan.splits import validate_chunk_sizes
 from .run.execute import run_replicas
-from .run.replicas import ReplicaCache, replicate_once
+from .run.replicas import Lease, ReplicaCache, replicate_once
 from .run.workers import WorkerPool
 from .trees.binding import ArgumentSpecs, forward_of
 from .trees.specs import Spec, validate_spec
@@ -73,6 +73,20 @@ def _scatter_records() -> weakref.WeakKeyDictionary:
     if records is None:
         records = _LAST_SCATTER.records = weakref.WeakKeyDictionary()
     return records
+
+
+def _run_leased(lease: Lease, run: Callable[[], list]) -> list:
+    """``run()``'s outputs; the lease ends with them (leased on to their graph), or interrupted."""
+    try:
+        outputs = run()
+    except Exception:
+        lease.end()
+        raise
+    except BaseException:  # KeyboardInterrupt: a replica may still be running on a worker
+        lease.end(interrupted=True)
+        raise
+    lease.end(outputs)
+    return outputs
 
 
 class DataParallel(nn.DataParallel):
@@ -263,11 +277,9 @@ class DataParallel(nn.DataParallel):
         devices = [d for _, d, _ in plan.replicas]
         chunk = [s for _, _, s in plan.replicas]
         inputs_per_replica = scatter_tree(plan.tree, plan.mapped, chunk, devices)
-        modules, done = self._replicas.replicate(self.module, source, devices)
-        try:
-            outputs = run_replicas(modules, inputs_per_replica, devices, self._pool)
-        finally:
-            done()
+        lease = self._replicas.lease(self.module, source, devices)
+        outputs = _run_leased(lease, lambda: run_replicas(lease.modules, inputs_per_replica, devices, self._pool,
+                                                          lease.watch))  # fmt: skip
         return gather_outputs(outputs, self.out_dims, self.dim, self._output_device, chunk)
 
     # -- torch.nn.DataParallel's hooks, with dpfast's semantics -----------------------------------------------------
@@ -279,16 +291,11 @@ class DataParallel(nn.DataParallel):
         if len(self._devices) == 1:
             return self.module(*args[0], **kws[0])
         devices = self._scattered(len(args))[1]
-        done = None
-        if type(self).replicate is DataParallel.replicate:  # not overridden: the persistent replicas
-            replicas, done = self._replicas.replicate(self.module, self._devices[0], devices)
-        else:
-            replicas = self.replicate(self.module, devices)
-        try:
-            outputs = self.parallel_apply(replicas, args, kws)
-        finally:
-            if done is not None:
-                done()
+        if type(self).replicate is not DataParallel.replicate:
+            outputs = self.parallel_apply(self.replicate(self.module, devices), args, kws)
+        else:  # not overridden: the persistent replicas
+            lease = self._replicas.lease(self.module, self._devices[0], devices)
+            outputs = _run_leased(lease, lambda: self.parallel_apply(lease.modules, args, kws))
         return self.gather(outputs, self.output_device)
 
     def _scattered(self, n: int) -> tuple[list[int], list[torch.device]]:

@@ -14,7 +14,7 @@ from torch import nn
 
 import dpfast
 
-DT = torch.float64
+from dp_testing import DT
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

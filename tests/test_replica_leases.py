@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 import dpfast
 from dpfast.run import replicas as _replicas
 
-DT = torch.float64
+from dp_testing import DT
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -13,7 +13,7 @@ from torch import nn
 
 import dpfast
 
-DT = torch.float64
+from dp_testing import DT
 
 
 class Recorder(nn.Module):

@@ -153,8 +153,7 @@ class _ReplicaSet:
                 taken.add(g)
                 mine = pcopies[c]
             self.replicas[key].write(mine, own)
-        del key, g, own, mine  # (no local may name a replica module when the set's own references are counted)
-        self._own_refs = self._refcounts()
+        self._own_refs = self._refcounts()  # (before the list below: no local may hold a replica module then)
         return [self.replicas[key].root for key in slots]
 
     def clear(self) -> None:

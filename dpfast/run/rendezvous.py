@@ -89,7 +89,6 @@ class Call:
         self.open: Collective | None = None
         self.broken: CollectiveError | None = None
         self.start_errors: dict[int, BaseException] = {}  # replicas whose worker thread could not be started
-        self.interrupted: str | None = None  # what stopped the call: "KeyboardInterrupt" (or another BaseException)
 
     # -- running -----------------------------------------------------------------------------------------------
 
@@ -114,7 +113,6 @@ class Call:
     def _stop(self, why: str) -> None:
         """A KeyboardInterrupt (any BaseException that is not an Exception) stops the call at once: unstarted
         replicas never start, and replicas waiting in a collective are released from it. Called holding cond."""
-        self.interrupted = self.interrupted or why
         for j in range(self.n):
             if self.progress[j] == _UNSTARTED:
                 self.progress[j] = _DONE

@@ -12,54 +12,23 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import Any, Callable, Union
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from .ext.op_checks import DeviceLike
 from .move.gather import gather_outputs
 from .move.scatter import move_tree, scatter_tree
 from .plan.call_plan import CallPlan, passthrough_plan, plan_call
-from .plan.costs import CostSpec
-from .plan.splits import validate_chunk_sizes
 from .run.execute import run_replicas
-from .run.replicas import ReplicaCache, replicate_once
+from .run.replicas import Lease, ReplicaCache, replicate_once
+from .run.settings import NAMES, Settings, check_given_device_ids, resolve_device
 from .run.workers import WorkerPool
-from .trees.binding import ArgumentSpecs, forward_of
-from .trees.specs import Spec, validate_spec
-
-DeviceLike = Union[int, str, torch.device]
+from .trees.binding import forward_of
+from .trees.specs import Spec
 
 __all__ = ["DataParallel"]
-
-
-def _device(d: DeviceLike, what: str) -> torch.device:
-    if isinstance(d, bool) or not isinstance(d, (int, str, torch.device)):
-        raise TypeError(f"{what} must be an int, a string like 'cuda:1' or 'cpu', or a torch.device; got {d!r}")
-    try:
-        dev = torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
-    except (RuntimeError, ValueError) as exc:
-        raise ValueError(f"{what} is {d!r}, which is not a device: {exc}") from exc
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(
-                f"{what} is {d!r} but CUDA is not available; use 'cpu' (device_ids=['cpu'] * n rehearses a "
-                "multi-device run on the CPU)"
-            )
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        if dev.index >= torch.cuda.device_count():
-            raise ValueError(f"{what} is {d!r} but only {torch.cuda.device_count()} CUDA device(s) are visible")
-    elif dev.type == "cpu":
-        dev = torch.device("cpu")  # 'cpu:0' is the CPU: its tensors report device('cpu'), so compare to that
-    else:
-        raise ValueError(f"{what} is {d!r}; dpfast.DataParallel runs on 'cpu' and CUDA devices")
-    return dev
-
-
-def _public(dev: torch.device) -> int | torch.device:
-    """How torch.nn.DataParallel exposes a device: its index for CUDA (we keep torch.device('cpu') for the CPU)."""
-    return dev.index if dev.type == "cuda" else dev
 
 
 _HOOKS = ("scatter", "replicate", "parallel_apply", "gather")
@@ -73,6 +42,29 @@ def _scatter_records() -> weakref.WeakKeyDictionary:
     if records is None:
         records = _LAST_SCATTER.records = weakref.WeakKeyDictionary()
     return records
+
+
+def _run_leased(lease: Lease, run: Callable[[], list]) -> list:
+    """``run()``'s outputs; the lease ends with them (leased on to their graph), or interrupted."""
+    try:
+        outputs = run()
+    except Exception:
+        lease.end()
+        raise
+    except BaseException:  # KeyboardInterrupt: a replica may still be running on a worker
+        lease.end(interrupted=True)
+        raise
+    lease.end(outputs)
+    return outputs
+
+
+# What a DataParallel derives from its public attributes, never pickled (the first layout pickled these too).
+_DERIVED = frozenset({"_settings", "_replicas", "_pool", "_specs", "_cost", "_devices", "_output_device", "_weights"})
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 class DataParallel(nn.DataParallel):
@@ -138,76 +130,89 @@ class DataParallel(nn.DataParallel):
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         self.module = module
-        self.dim = dim
-        self.in_dims = in_dims
-        self.out_dims = out_dims
-        self.chunk_sizes = chunk_sizes
-        # Everything about the specs is checked now, against forward's signature; only the structure of each
-        # call's values is left to check per call.
-        self._specs = ArgumentSpecs(forward_of(module), in_dims, dim)
-        validate_spec(out_dims, "out_dims", allow_reductions=True)
-        self.cost = cost
-        self._cost = None if cost is None else CostSpec(cost, self._specs)
-
-        if device_ids is None and not torch.cuda.is_available():
-            # like torch: no accelerator and nothing asked for -> call the module directly. output_device and the
-            # number of chunk_sizes are ignored then (code written for N GPUs still runs), their types are not.
-            if chunk_sizes is not None:
-                n = len(chunk_sizes) if hasattr(chunk_sizes, "__len__") else 0
-                validate_chunk_sizes(chunk_sizes, n)
-            self.device_ids: list = []
-            self.output_device = None
-            self.src_device_obj = None
-            self._devices: list[torch.device] = []
-            self._output_device: torch.device | None = None
-            self._weights = None
-            return
-        if device_ids is None:
-            device_ids = list(range(torch.cuda.device_count()))
-        if isinstance(device_ids, (str, int, torch.device)):
-            raise ValueError(
-                f"device_ids must be a non-empty sequence of devices (e.g. [0, 1] or ['cpu'] * 2), got {device_ids!r}"
-            )
-        try:
-            device_ids = list(device_ids)
-        except TypeError:
-            raise TypeError(
-                f"device_ids must be a non-empty sequence of devices (e.g. [0, 1] or ['cpu'] * 2), got "
-                f"{type(device_ids).__name__} {device_ids!r}"
-            ) from None
-        if len(device_ids) == 0:
-            raise ValueError(
-                f"device_ids must be a non-empty sequence of devices (e.g. [0, 1] or ['cpu'] * 2), got {device_ids!r}"
-            )
-        devices = [_device(d, f"device_ids[{i}]") for i, d in enumerate(device_ids)]
-        if len({d.type for d in devices}) > 1:
-            raise ValueError(
-                f"device_ids mix device types ({', '.join(map(str, devices))}); use all CUDA devices, or 'cpu' "
-                "repeated for a CPU rehearsal"
-            )
-        out = devices[0] if output_device is None else _device(output_device, "output_device")
-        self._devices = devices
-        self._output_device = out
-        self._weights = validate_chunk_sizes(chunk_sizes, len(devices))
-        self.device_ids = [_public(d) for d in devices]
-        self.output_device = _public(out)
-        self.src_device_obj = devices[0]
         # persistent replicas (copies on other devices, refreshed each step) and workers (one per slot after the
-        # first); both go with this instance (deleting it stops the workers) and start afresh in a deep copy
+        # first); both go with this instance (deleting it stops the workers) and start afresh in a copy or pickle
         self._replicas = ReplicaCache()
-        self._pool = WorkerPool(max_idle=len(devices) - 1)
-        if len(devices) == 1:
-            self.module.to(devices[0])  # as torch does for a single device
+        self._pool = WorkerPool(max_idle=0)
+        # Everything about the settings is checked now, against forward's signature; only the structure of each
+        # call's values is left to check per call.
+        check_given_device_ids(device_ids)
+        values = dict(zip(NAMES, (device_ids, output_device, dim, in_dims, out_dims, chunk_sizes, cost)))
+        self._use(Settings(module, values))
+        if len(self._settings.devices) == 1:
+            self.module.to(self._settings.devices[0])  # as torch does for a single device
+
+    # -- the settings: public attributes, read at every call ----------------------------------------------------
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """``dp.dim = 1``, ``dp.device_ids = [...]``, ...: checked now (an invalid value is refused and nothing
+        changes), and what the next call runs with."""
+        if name in NAMES and "_settings" in self.__dict__:
+            values = {**self._current_values(), name: value}
+            try:
+                if name == "device_ids":
+                    check_given_device_ids(value)
+                settings = Settings(self.module, values)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"DataParallel.{name} = {_short(value)} refused (nothing changed): {exc}") from None
+            self._use(settings)
+            return
+        super().__setattr__(name, value)
+
+    def _current_values(self) -> dict[str, Any]:
+        d = self.__dict__
+        return {name: d.get(name) for name in NAMES}
+
+    def _use(self, settings: Settings) -> None:
+        d = self.__dict__
+        d.update(settings.values)
+        d["_settings"] = settings
+        d["src_device_obj"] = settings.devices[0] if settings.devices else None
+        self._pool.max_idle = max(len(settings.devices) - 1, 0)
+
+    def _current_settings(self) -> Settings:
+        """The settings for this call: resolved again when an attribute was changed in place since the last."""
+        settings = self.__dict__.get("_settings")
+        values = self._current_values()
+        if settings is None or not settings.matches(self.module, values):
+            settings = Settings(self.module, values)
+            self._use(settings)
+        return settings
+
+    # what a call runs with (read through these by the call path, after _current_settings())
+    _devices = property(lambda self: self._settings_or_now().devices)
+    _output_device = property(lambda self: self._settings_or_now().output_device)
+    _weights = property(lambda self: self._settings_or_now().weights)
+    _specs = property(lambda self: self._settings_or_now().specs)
+    _cost = property(lambda self: self._settings_or_now().cost)
+
+    def _settings_or_now(self) -> Settings:
+        settings = self.__dict__.get("_settings")
+        return settings if settings is not None else self._current_settings()
+
+    def __getstate__(self) -> dict:
+        """The module and the public attributes only: what a call derives from them is derived again on load."""
+        return {k: v for k, v in self.__dict__.items() if k not in _DERIVED}
+
+    def __setstate__(self, state: dict) -> None:
+        """New pickles, and those of the first layout (which also held ``_specs``, ``_cost``, ``_devices``...)."""
+        state = {k: v for k, v in state.items() if k not in _DERIVED}
+        super().__setstate__(state)
+        d = self.__dict__
+        d["_replicas"] = ReplicaCache()
+        d["_pool"] = WorkerPool(max_idle=max(len(d.get("device_ids") or ()) - 1, 0))
+        d["_settings"] = None  # resolved at the first call (a pickle from a GPU machine still loads on a CPU one)
 
     # -- the call ------------------------------------------------------------------------------------------------
 
     def _plan_call(self, inputs: tuple, kwargs: dict) -> CallPlan:
-        if not self._devices:
+        s = self._current_settings()
+        if not s.devices:
             return passthrough_plan(forward_of(self.module), inputs, kwargs)
-        self._replicas.check_module_device(self.module, self._devices[0])
+        self._replicas.check_module_device(self.module, s.devices[0])
         return plan_call(
-            self._specs, inputs, kwargs, len(self._devices), self._weights,
-            devices=self._devices, output_device=self._output_device, cost=self._cost,
+            s.specs, inputs, kwargs, len(s.devices), s.weights,
+            devices=s.devices, output_device=s.output_device, cost=s.cost,
         )  # fmt: skip
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -244,7 +249,7 @@ class DataParallel(nn.DataParallel):
                 (the same type where it can be built from a message, else ``RuntimeError``) and the original
                 chained as its cause.
         """
-        if not self._devices:
+        if not self._current_settings().devices:
             return self.module(*inputs, **kwargs)
         if any(getattr(type(self), h) is not getattr(DataParallel, h) for h in _HOOKS):
             return self._run_through_hooks(inputs, kwargs)
@@ -263,11 +268,9 @@ class DataParallel(nn.DataParallel):
         devices = [d for _, d, _ in plan.replicas]
         chunk = [s for _, _, s in plan.replicas]
         inputs_per_replica = scatter_tree(plan.tree, plan.mapped, chunk, devices)
-        modules, done = self._replicas.replicate(self.module, source, devices)
-        try:
-            outputs = run_replicas(modules, inputs_per_replica, devices, self._pool)
-        finally:
-            done()
+        lease = self._replicas.lease(self.module, source, devices)
+        outputs = _run_leased(lease, lambda: run_replicas(lease.modules, inputs_per_replica, devices, self._pool,
+                                                          lease.watch))  # fmt: skip
         return gather_outputs(outputs, self.out_dims, self.dim, self._output_device, chunk)
 
     # -- torch.nn.DataParallel's hooks, with dpfast's semantics -----------------------------------------------------
@@ -279,16 +282,11 @@ class DataParallel(nn.DataParallel):
         if len(self._devices) == 1:
             return self.module(*args[0], **kws[0])
         devices = self._scattered(len(args))[1]
-        done = None
-        if type(self).replicate is DataParallel.replicate:  # not overridden: the persistent replicas
-            replicas, done = self._replicas.replicate(self.module, self._devices[0], devices)
-        else:
-            replicas = self.replicate(self.module, devices)
-        try:
-            outputs = self.parallel_apply(replicas, args, kws)
-        finally:
-            if done is not None:
-                done()
+        if type(self).replicate is not DataParallel.replicate:
+            outputs = self.parallel_apply(self.replicate(self.module, devices), args, kws)
+        else:  # not overridden: the persistent replicas
+            lease = self._replicas.lease(self.module, self._devices[0], devices)
+            outputs = _run_leased(lease, lambda: self.parallel_apply(lease.modules, args, kws))
         return self.gather(outputs, self.output_device)
 
     def _scattered(self, n: int) -> tuple[list[int], list[torch.device]]:
@@ -302,7 +300,8 @@ class DataParallel(nn.DataParallel):
     def scatter(self, inputs: tuple, kwargs: dict | None, device_ids: Sequence[DeviceLike]) -> tuple[tuple, tuple]:
         """The call's ``(args per replica, kwargs per replica)``, split by ``in_dims`` over ``device_ids`` by the
         plan a call makes (never dropping a sample; the same errors, before anything is copied)."""
-        devices = [_device(d, f"device_ids[{i}]") for i, d in enumerate(device_ids)]
+        self._current_settings()
+        devices = [resolve_device(d, f"device_ids[{i}]") for i, d in enumerate(device_ids)]
         weights = self._weights if devices == self._devices else None
         plan = plan_call(
             self._specs, inputs, kwargs or {}, len(devices), weights, devices=devices,
@@ -321,7 +320,7 @@ class DataParallel(nn.DataParallel):
         """One module per device, as a call makes them: ``module`` itself first on its own device, a replica with
         buffers of its own for every other entry (sharing the parameters on the same device, a broadcast copy on
         another CUDA device)."""
-        devices = [_device(d, f"device_ids[{i}]") for i, d in enumerate(device_ids)]
+        devices = [resolve_device(d, f"device_ids[{i}]") for i, d in enumerate(device_ids)]
         source = next(iter(module.parameters()), None)
         source = source.device if source is not None else (self._devices[0] if self._devices else devices[0])
         return replicate_once(module, source, devices)
@@ -331,13 +330,20 @@ class DataParallel(nn.DataParallel):
         the last scatter() sent its chunk to), re-raising a failure with the replica and device named."""
         n = len(replicas)
         kwargs = tuple(kwargs) if kwargs else ({},) * n
+        if len(inputs) != n or len(kwargs) != n:
+            raise ValueError(
+                f"parallel_apply got {n} replicas, {len(inputs)} inputs and {len(kwargs)} kwargs: give one input "
+                "(and one kwargs dict, or none at all) per replica, as scatter() and replicate() over the same "
+                "device_ids make them; nothing was run (no chunk of the batch may be dropped)"
+            )
         args = [tuple(a) if isinstance(a, (list, tuple)) else (a,) for a in inputs]
         return run_replicas(list(replicas), list(zip(args, kwargs)), self._scattered(n)[1], self._pool)
 
     def gather(self, outputs: Sequence[Any], output_device: DeviceLike) -> Any:
         """Combine the replicas' outputs as ``out_dims`` says onto ``output_device`` (-1: the CPU, as in torch);
         ``"mean"`` weights each by its share of the last scatter()'s batch."""
-        device = torch.device("cpu") if output_device == -1 else _device(output_device, "output_device")
+        self._current_settings()
+        device = torch.device("cpu") if output_device == -1 else resolve_device(output_device, "output_device")
         return gather_outputs(list(outputs), self.out_dims, self.dim, device, self._scattered(len(outputs))[0])
 
     def plan(self, *inputs: Any, **kwargs: Any) -> CallPlan:
@@ -349,9 +355,10 @@ class DataParallel(nn.DataParallel):
         return self._plan_call(inputs, kwargs)
 
     def extra_repr(self) -> str:
-        parts = [f"device_ids=[{', '.join(str(d) for d in self.device_ids)}]"]
-        if self._output_device is not None and self._devices and self._output_device != self._devices[0]:
-            parts.append(f"output_device={self.output_device}")
+        ids, out = self.device_ids or [], self.output_device  # the public attributes (a fresh unpickle resolves later)
+        parts = [f"device_ids=[{', '.join(str(d) for d in ids)}]"]
+        if out is not None and ids and out != ids[0]:
+            parts.append(f"output_device={out}")
         if self.dim != 0:
             parts.append(f"dim={self.dim}")
         for name in ("in_dims", "out_dims", "chunk_sizes"):

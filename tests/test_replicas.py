@@ -107,24 +107,25 @@ def test_each_step_replaces_the_last_steps_copies(copies):
     src = _net()
     dp = dpfast.DataParallel(src, ["cpu"] * 2)
     dp(_x(4)).sum().backward()
-    (rs,) = dp._replicas._sets.values()
-    first = [weakref.ref(r.__dict__[key]) for _, r, key, _, _ in rs.param_slots]
+    (rs,) = dp._replicas._sets
+    slots = [s for replica in rs.replicas.values() for s in replica.param_slots]
+    first = [weakref.ref(r._parameters[key]) for r, key, _, _ in slots]
     assert all(ref() is not None for ref in first)
     dp(_x(4)).sum().backward()
     gc.collect()
     assert all(ref() is None for ref in first)
-    for _, r, key, _, _ in rs.param_slots:
-        assert r.__dict__[key] is r._former_parameters[key]
+    for r, key, _, _ in slots:
+        assert r._parameters[key] is r._former_parameters[key]
 
 
-def test_smaller_batch_uses_its_own_set_and_no_grad_detaches(copies):
+def test_smaller_batch_uses_the_first_slots_of_the_same_set_and_no_grad_detaches(copies):
     src = _net()
     plain = copy.deepcopy(src)
     dp = dpfast.DataParallel(src, ["cpu"] * 3)
     _check_step(dp, plain, _x(7))
-    _check_step(dp, plain, _x(2))  # two replicas run: another target set
+    _check_step(dp, plain, _x(2))  # two replicas run: the first two slots of the same set
     _check_step(dp, plain, _x(7))
-    assert dp._replicas.builds == 2
+    assert dp._replicas.builds == 1
     src.seen.clear()
     with torch.no_grad():
         out = dp(_x(7))

@@ -10,11 +10,13 @@ as its contiguous NHWC view and every chunk is viewed back as NCHW: chunks in th
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from .. import ops
@@ -51,6 +53,24 @@ def move_all(value: Any, device: torch.device) -> Any:
         return move(value, device)
     leaves, tdef = flatten(value)
     return unflatten(tdef, [move(v, device) for v in leaves])
+
+
+def move_item(value: Any, device: torch.device) -> Any:
+    """A per-sample item on ``device``: its tensors, and any object in it with a ``.to`` method (a PyG ``Data``),
+    moved as PyG's own DataParallel moves its batches; ``.to`` is called on a shallow copy, so the caller's object
+    stays where it is (PyG's ``Data.to`` moves in place)."""
+    leaves, tdef = flatten(value)
+    return unflatten(tdef, [_to(v, device) for v in leaves])
+
+
+def _to(v: Any, device: torch.device) -> Any:
+    to = getattr(v, "to", None)
+    if isinstance(v, (Tensor, PackedSequence, nn.Module, type)) or v is None or not callable(to):
+        return move(v, device)
+    with contextlib.suppress(Exception):  # an object that cannot be copied is moved as it is
+        v = copy.copy(v)
+    moved = v.to(device)
+    return v if moved is None else moved
 
 
 def move_tree(tree: ArgumentTree, device: torch.device) -> tuple[tuple, dict]:
@@ -111,7 +131,7 @@ def split_items(seq: Sequence, sizes: Sequence[int], devices: Sequence[torch.dev
     """Contiguous sub-sequences of ``seq`` (same type) with the given lengths, each item moved to its device."""
     out, start = [], 0
     for size, device in zip(sizes, devices):
-        part = [move_all(item, device) for item in seq[start : start + size]]
+        part = [move_item(item, device) for item in seq[start : start + size]]
         out.append(part if type(seq) is list else tuple(part) if type(seq) is tuple else type(seq)(part))
         start += size
     return out

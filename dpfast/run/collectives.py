@@ -88,7 +88,7 @@ def all_reduce(t: Tensor, op: str = "sum") -> Tensor:
         if call.n == 1:
             return t
         coll = call.enter(i, ("all_reduce", op), _deposit(t))
-        return _combine([coll.values[j].to(t.device) for j in range(call.n)], op)
+        return _reduce_deposits([coll.values[j].to(t.device) for j in range(call.n)], op)
     if _in_process_group():
         return _DistAllReduce.apply(t, op)
     _warn_if_recomputing("all_reduce")
@@ -123,7 +123,8 @@ def _warn_if_recomputing(name: str) -> None:
     )
 
 
-def _combine(values: Sequence[Tensor], op: str) -> Tensor:
+def _reduce_deposits(values: Sequence[Tensor], op: str) -> Tensor:
+    """The replicas' deposits combined by ``op``, added in replica order (so every replica gets the same bits)."""
     if op in ("max", "min"):
         stacked = torch.stack(list(values))
         return stacked.amax(0) if op == "max" else stacked.amin(0)

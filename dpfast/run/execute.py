@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Sequence
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -24,9 +24,12 @@ from .collectives import check_collective
 from .rendezvous import Call, solo_context
 from .workers import WorkerPool
 
+if TYPE_CHECKING:
+    from .write_watch import WriteWatch
 
-class _State:
-    """The caller's thread-local execution state, to re-enter in a worker."""
+
+class _CallerContext:
+    """The caller's thread-local execution context (grad mode, autocast, streams...), to re-enter in a worker."""
 
     def __init__(self, devices: Sequence[torch.device]):
         self.grad = torch.is_grad_enabled()
@@ -93,11 +96,14 @@ def run_replicas(
     inputs: Sequence[tuple[tuple, dict]],
     devices: Sequence[torch.device],
     pool: WorkerPool | None = None,
+    watch: WriteWatch | None = None,
 ) -> list[Any]:
     """``modules[i](*inputs[i][0], **inputs[i][1])`` for every ``i``; results in replica order.
 
     Replicas on different devices run concurrently; replicas sharing a device take turns (see
-    :mod:`dpfast.run.rendezvous`), so a rehearsal on one device is deterministic and runs inline.
+    :mod:`dpfast.run.rendezvous`), so a rehearsal on one device is deterministic and runs inline. ``watch`` is told
+    when each replica's turn ends (:mod:`dpfast.run.write_watch`). A ``KeyboardInterrupt`` (any ``BaseException``
+    that is not an ``Exception``) stops the call: no replica starts after it, and it is re-raised as it is.
     """
     n = len(modules)
     if n == 1:
@@ -110,7 +116,7 @@ def run_replicas(
     errors: list[BaseException | None] = [None] * n
     # Read here, in the caller, before any replica runs: a worker started later (at a collective) must not take
     # the state of the replica that handed it the turn (a no_grad or autocast block around that collective).
-    state = _State(devices)
+    context = _CallerContext(devices)
     tasks: list[threading.Event] = []
 
     def run(i: int) -> BaseException | None:
@@ -124,44 +130,61 @@ def run_replicas(
         # with its traceback, and keep this replica's outputs alive until the garbage collector runs)
         return errors[i]
 
+    call = Call(devices, run, _spawner(pool, context, tasks), check_collective, watch and watch.turn_ended)
+    try:
+        call.run_all()
+    finally:
+        _wait_all(tasks)
+    if watch is not None:
+        watch.report()
+    if tasks and context.hooks_unreadable:  # some replicas ran on workers, without the caller's hooks
+        from ..ext.torch_compat import warn_saved_tensors_hooks_unreadable
+
+        warn_saved_tensors_hooks_unreadable()
+    for j in call.start_errors:  # (no local names an exception: the raised one's traceback holds this frame)
+        errors[j] = call.start_errors[j]
+    if any(e is not None for e in errors):
+        results.clear()  # the exception's traceback holds run()'s frame, whose closure holds these lists
+        _raise_first(errors, devices)
+    return results
+
+
+def _spawner(pool: WorkerPool, context: _CallerContext, tasks: list[threading.Event]) -> Callable:
+    """``spawn(fn, device)`` for the rendezvous: ``fn`` on a pool worker, in the caller's context for ``device``."""
+
     def spawn(fn: Callable[[], None], device: torch.device) -> None:
         def task() -> None:
             with contextlib.ExitStack() as stack:
-                state.enter(device, stack)
+                context.enter(device, stack)
                 fn()
 
         done = threading.Event()
         pool.submit(task, done)  # (if no thread can be started this raises, and the rendezvous fails the replica)
         tasks.append(done)
 
-    call = Call(devices, run, spawn, check_collective)
-    try:
-        call.run_all()
-    finally:
-        _wait_all(tasks)
-    if tasks and state.hooks_unreadable:  # some replicas ran on workers, without the caller's hooks
-        from ..ext.torch_compat import warn_saved_tensors_hooks_unreadable
+    return spawn
 
-        warn_saved_tensors_hooks_unreadable()
-    for j, exc in call.start_errors.items():
-        errors[j] = exc
-    # The root cause first: a replica's own exception over the collective errors it caused in the others.
+
+def _raise_first(errors: list[BaseException | None], devices: Sequence[torch.device]) -> None:
+    """Raise the root cause: an interrupt as it was raised, else a replica's own exception (over the collective
+    errors it caused in the others) naming the replica and device, chained to the original."""
+    n = len(errors)
+    stops = [i for i in range(n) if errors[i] is not None and not isinstance(errors[i], Exception)]
     primary = [i for i in range(n) if errors[i] is not None and not getattr(errors[i], "secondary", False)]
-    failed = primary or [i for i in range(n) if errors[i] is not None]
-    if failed:
-        i = failed[0]
-        exc = errors[i]
-        assert exc is not None
-        # The original's traceback holds run()'s frame, whose closure holds these lists: empty them so the
-        # exception -> traceback -> frame -> list -> exception cycle cannot keep the other replicas' outputs (and
-        # their autograd graphs) alive until the garbage collector runs.
-        errors.clear()
-        results.clear()
-        try:
-            raise _wrap(exc, i, devices[i], len(failed)) from exc
-        finally:
-            del exc  # the traceback keeps this frame: it must not name the exception (a cycle, as above)
-    return results
+    failed = stops or primary or [i for i in range(n) if errors[i] is not None]
+    i = failed[0]
+    exc = errors[i]
+    assert exc is not None
+    # The original's traceback holds run()'s frame, whose closure holds the call's lists: empty them so the
+    # exception -> traceback -> frame -> list -> exception cycle cannot keep the other replicas' outputs (and
+    # their autograd graphs) alive until the garbage collector runs.
+    errors.clear()
+    try:
+        if stops:  # KeyboardInterrupt, SystemExit...: as it was raised (a wrapped SystemExit changes the exit)
+            raise exc
+        raise _wrap(exc, i, devices[i], len(failed)) from exc
+    finally:
+        del exc  # the traceback keeps this frame: it must not name the exception (a cycle, as above)
 
 
 def _device_guard(device: torch.device) -> Any:
@@ -169,13 +192,8 @@ def _device_guard(device: torch.device) -> Any:
 
 
 def _wait_all(tasks: Sequence[threading.Event]) -> None:
-    """Wait for every worker task, even if the caller is interrupted while waiting (then re-raise that)."""
-    interrupted: BaseException | None = None
+    """Wait for every worker task (no replica starts once the call is interrupted, so this waits only for the
+    forwards already running). A Ctrl-C while waiting stops the wait: the caller gets it at once, and the
+    replicas still running finish on their own (the call's replica set is then never reused)."""
     for ev in list(tasks):
-        while not ev.is_set():
-            try:
-                ev.wait()
-            except KeyboardInterrupt as exc:  # pragma: no cover
-                interrupted = exc
-    if interrupted is not None:  # pragma: no cover
-        raise interrupted
+        ev.wait()

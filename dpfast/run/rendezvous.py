@@ -64,25 +64,27 @@ class Call:
         run: Callable[[int], BaseException | None],
         spawn: Callable[[Callable[[], None], torch.device], None],
         check: Callable[[Collective, Sequence[torch.device]], str | None] | None = None,
+        turn_ended: Callable[[int], None] | None = None,
     ):
         self.n = len(devices)
         self.devices = list(devices)
         self._run = run
         self._spawn = spawn
         self._check = check  # validates a complete collective's deposits: an error message or None
+        self._turn_ended = turn_ended  # told when a replica gives up its device's turn (still holding it)
         self.cond = threading.Condition()
-        self.state = [_UNSTARTED] * self.n
+        self.progress = [_UNSTARTED] * self.n  # per replica: _UNSTARTED, _RUNNING, _BLOCKED, _READY or _DONE
         self.left = [""] * self.n  # how a done replica left: "returned" or "raised <type>"
-        self.members: list[list[int]] = []
-        self.group: list[int] = []
+        self.on_device: list[list[int]] = []  # per distinct device, its replicas in index order
+        self.device_of: list[int] = []  # per replica, the index of its device in on_device
         seen: dict[torch.device, int] = {}
         for i, d in enumerate(self.devices):
             g = seen.setdefault(d, len(seen))
-            if g == len(self.members):
-                self.members.append([])
-            self.members[g].append(i)
-            self.group.append(g)
-        self.baton: list[int | None] = [None] * len(self.members)
+            if g == len(self.on_device):
+                self.on_device.append([])
+            self.on_device[g].append(i)
+            self.device_of.append(g)
+        self.baton: list[int | None] = [None] * len(self.on_device)
         self.entered = [0] * self.n
         self.open: Collective | None = None
         self.broken: CollectiveError | None = None
@@ -92,7 +94,7 @@ class Call:
 
     def run_all(self) -> None:
         """Every device's replicas: the first device's in this thread, the others' on workers (concurrently)."""
-        for g in range(1, len(self.members)):
+        for g in range(1, len(self.on_device)):
             first = self._start(g)
             try:
                 self._spawn(lambda g=g, first=first: self._run_group(g, first), self.devices[first])
@@ -101,13 +103,30 @@ class Call:
                     self._could_not_start(g, first, exc)
         self._run_group(0, self._start(0))
         with self.cond:
-            while any(s != _DONE for s in self.state):
-                self.cond.wait()
+            try:
+                while any(s != _DONE for s in self.progress):
+                    self.cond.wait()
+            except BaseException as exc:  # Ctrl-C while this thread waits: no replica starts after it
+                self._stop(type(exc).__name__)
+                raise
+
+    def _stop(self, why: str) -> None:
+        """A KeyboardInterrupt (any BaseException that is not an Exception) stops the call at once: unstarted
+        replicas never start, and replicas waiting in a collective are released from it. Called holding cond."""
+        for j in range(self.n):
+            if self.progress[j] == _UNSTARTED:
+                self.progress[j] = _DONE
+                self.left[j] = "never started (the call was interrupted)"
+        if self.open is not None and not self.open.done:
+            self._fail(self.open, CollectiveError(f"the call was interrupted ({why})", secondary=True))
+        elif self.broken is None:
+            self.broken = CollectiveError(f"the call was interrupted ({why})", secondary=True)
+        self.cond.notify_all()
 
     def _could_not_start(self, g: int, j: int, exc: BaseException) -> None:
         """Replica ``j`` never ran (its thread could not start): it has left, and the turn moves on."""
         self.start_errors[j] = exc
-        self.state[j] = _DONE
+        self.progress[j] = _DONE
         self.left[j] = f"could not start ({type(exc).__name__})"
         self._settle()
         if self.baton[g] == j:
@@ -116,9 +135,9 @@ class Call:
 
     def _start(self, g: int) -> int:
         with self.cond:
-            first = self.members[g][0]
+            first = self.on_device[g][0]
             self.baton[g] = first
-            self.state[first] = _RUNNING
+            self.progress[first] = _RUNNING
             return first
 
     def _run_group(self, g: int, i: int | None) -> None:
@@ -129,12 +148,17 @@ class Call:
             try:
                 exc = self._run(i)
                 left = "returned" if exc is None else f"raised {type(exc).__name__}"
+                stop = exc is not None and not isinstance(exc, Exception)
                 del exc  # this frame is the f_back of one in exc's traceback: naming exc would make a cycle
             finally:
                 _LOCAL.call = previous
+            if self._turn_ended is not None:
+                self._turn_ended(i)
             with self.cond:
-                self.state[i] = _DONE
+                self.progress[i] = _DONE
                 self.left[i] = left
+                if stop:
+                    self._stop(left.replace("raised ", "", 1))
                 self._settle()  # a collective this replica left behind fails, and may hand the turn on itself
                 i = self._pass(g, i, free=True) if self.baton[g] == i else None
                 self.cond.notify_all()
@@ -142,15 +166,15 @@ class Call:
     def _pass(self, g: int, after: int, free: bool) -> int | None:
         """Give device ``g``'s turn to the next replica after ``after`` that can run. An unstarted one runs in this
         thread when it is ``free`` (returned: then its index is returned), else on a new worker."""
-        members = self.members[g]
+        members = self.on_device[g]
         k = members.index(after)
         for j in members[k + 1 :] + members[: k + 1]:
-            if self.state[j] in (_UNSTARTED, _READY):
+            if self.progress[j] in (_UNSTARTED, _READY):
                 self.baton[g] = j
-                if self.state[j] == _READY:
+                if self.progress[j] == _READY:
                     self.cond.notify_all()  # its own thread is waiting for the turn
                     return None
-                self.state[j] = _RUNNING
+                self.progress[j] = _RUNNING
                 if free:
                     return j
                 try:
@@ -166,7 +190,9 @@ class Call:
     def enter(self, i: int, what: tuple, value: Any) -> Collective:
         """Replica ``i`` deposits ``value``; returns the collective once every replica has, and it is ``i``'s turn.
         Raises :class:`CollectiveError` if the collective cannot complete."""
-        g = self.group[i]
+        g = self.device_of[i]
+        if self._turn_ended is not None:
+            self._turn_ended(i)
         with self.cond:
             self.entered[i] += 1
             if self.broken is not None:
@@ -174,7 +200,7 @@ class Call:
             coll = self.open
             if coll is None:
                 coll = self.open = Collective(self.entered[i], what)
-            self.state[i] = _BLOCKED
+            self.progress[i] = _BLOCKED
             if coll.what != what:
                 first = min(coll.values)
                 self._fail(
@@ -192,7 +218,7 @@ class Call:
                     self._pass(g, i, free=False)
             while not (coll.done and self.baton[g] == i):
                 self.cond.wait()
-            self.state[i] = _RUNNING
+            self.progress[i] = _RUNNING
             if coll.error is not None:
                 # a fresh exception per replica: the stored one raised in several threads would collect all their
                 # frames, and its traceback would hold this Call (a cycle keeping every replica's tensors alive)
@@ -205,7 +231,7 @@ class Call:
         if coll is None or coll.done:
             return
         missing = [j for j in range(self.n) if j not in coll.values]
-        gone = [j for j in missing if self.state[j] == _DONE]
+        gone = [j for j in missing if self.progress[j] == _DONE]
         if gone:
             raised = [j for j in gone if self.left[j] != "returned"]
             who = ", ".join(f"replica {j} on {self.devices[j]} {self.left[j]}" for j in gone)
@@ -236,14 +262,14 @@ class Call:
         """Mark the collective done and give each device's turn to its lowest-index waiting replica."""
         coll.done = True
         self.open = None
-        for g, members in enumerate(self.members):
-            ready = [j for j in members if self.state[j] == _BLOCKED]
+        for g, members in enumerate(self.on_device):
+            ready = [j for j in members if self.progress[j] == _BLOCKED]
             for j in ready:
-                self.state[j] = _READY
+                self.progress[j] = _READY
             holder = self.baton[g]
             # A replica that holds the turn keeps it: one still running (a failure can come from another device
             # mid-turn) or one handed it but not yet awake. Else the lowest-index waiting replica goes first.
-            if ready and (holder is None or holder in ready or self.state[holder] == _DONE):
+            if ready and (holder is None or holder in ready or self.progress[holder] == _DONE):
                 self.baton[g] = ready[0]
         self.cond.notify_all()
 

@@ -1,47 +1,65 @@
-"""One module per replica: the module itself for the first slot on its device, a replica for every other slot.
+"""One module per replica, kept between calls as a speed device, never a semantic one.
 
-Replicas behave like separate devices. A replica on the module's own device (``["cpu"] * 4``, ``[0, 0]``) shares
-the module's parameters (no copy: gradients sum onto them) but has its own buffers, cloned from the module's at the
-start of each call, and its own attributes: whatever its forward changes is discarded, as it is on another GPU,
-so a BatchNorm counts one batch per call (replica 0's) and nothing races. Replicas on another (CUDA) device get
-that device's copy of the parameters (one coalesced broadcast per device, shared by its replicas, connected to the
-originals by autograd as with ``torch.nn.parallel.replicate``, through ``dpfast.move.broadcast.BroadcastToOthers``,
-which makes no copy for the source) and buffers of their own.
+**What a replica holds.** The first slot on the module's own device is the module itself. Every other slot gets a
+:class:`~dpfast.run.replica_copies.Replica`: a copy of each module of the tree that shares the module's attribute
+values (a shallow copy of its ``__dict__``, as ``torch.nn.parallel.replicate`` makes), with its children, hook
+dicts and the callables bound to modules of the tree (``m.forward = MethodType(f, m)``, partials, closures over
+``self``; :mod:`dpfast.run.rebinding`) moved to the copy. Its parameters are in its ``_parameters``, as on the
+module: the module's own Parameters on the module's device (no copy: gradients sum onto them), that device's
+broadcast copy elsewhere (one coalesced broadcast per device, connected to the originals by autograd, through
+:mod:`dpfast.move.broadcast`). Its buffers are its own, cloned from the module's for each call.
 
-The replicas are **persistent**: :class:`ReplicaCache` builds the module tree once per list of replica devices, and
-each step only writes the parameters and fresh buffers into the replicas' attribute slots. They stay there until
-the next step replaces them, since a backward may need them (``torch.utils.checkpoint`` recomputes a replica's
-forward from its module). Attributes a replica's forward set are undone at the next step.
+**Sets, and when they are refreshed.** A :class:`_ReplicaSet` holds one replica per slot, keyed by device and
+occurrence (the second replica on ``cpu``), built on first use, so one set serves every replica count a workload
+uses (a batch smaller than the device count runs the first slots). A call *leases* a set, and before any replica
+runs, the slots it uses are refreshed: what earlier forwards changed on the copies is undone, the module's hooks
+are copied, and this call's parameters and fresh buffers are written in; the set's other slots drop their tensors.
 
-Invalidation: at build time each source module's class, ``__dict__``, ``_parameters``, ``_buffers`` and
-``_modules`` are snapshotted (shallow), and each step checks by identity that none of them changed. That catches
-parameters or buffers added, removed or replaced (``load_state_dict(assign=True)``, ``.to()`` under
-``torch.__future__.set_overwrite_module_params_on_conversion(True)``), submodules added or replaced anywhere in
-the tree, a ``__class__`` swap, ``train()``/``eval()`` and any other attribute reassigned on any module. In-place
-changes (``.to()``'s usual conversion, ``load_state_dict``'s copy, an optimizer step) need no rebuild: values are
-taken from the source at every step. A module that reassigns an attribute of itself in every ``forward`` is
-rebuilt every step: correct, and no slower than torch's replicate.
+**When a lease ends.** The call's autograd graph may still read its replicas after the call (``torch.utils.
+checkpoint`` recomputes a forward from the replica's modules; a full backward hook gets the replica), so the set
+stays leased to the graph while both hold: the graph is alive (a token in the metadata of the outputs' ``grad_fn``
+nodes, watched through a weak reference) and something outside the set references one of its replica modules
+(their reference counts are above the set's own, taken when it was refreshed). A leased set is never refreshed or
+cleared: a later call (another replica count, ``no_grad``, ``inference_mode``, another thread) takes another free
+set, or builds one. A call without a graph (``no_grad``, ``inference_mode``, outputs that need no grad) ends its
+lease when it returns. At most :attr:`ReplicaCache.max_sets` sets are kept; past that the oldest leased one is
+forgotten (it lives on through its graph, and goes with it).
+
+**When sets are dropped.** A :class:`~dpfast.run.replica_copies.SourceSnapshot` snapshots the module tree (each module's
+class and dicts, shallow); every call checks by identity that none changed. That catches parameters or buffers
+added, removed or replaced (``load_state_dict(assign=True)``, ``.to()`` under
+``torch.__future__.set_overwrite_module_params_on_conversion(True)``), submodules replaced anywhere, a ``__class__``
+swap, ``train()``/``eval()``, a bound ``forward`` and any attribute reassigned. Then every set of the old tree goes
+at that call: free ones are cleared and dropped, leased ones forgotten (they live exactly as long as their graph):
+nothing of an old module tree outlives the next call but what a pending graph itself holds. In-place changes
+(``.to()``'s usual conversion, ``load_state_dict``'s copy, an optimizer step) need no rebuild: values are taken
+from the module at every call. A module that reassigns an attribute of itself in every forward is rebuilt every
+call: correct, and no slower than torch's replicate.
 """
 
 from __future__ import annotations
 
 import itertools
-import operator
+import sys
 import threading
-from collections import OrderedDict
+import weakref
 from collections.abc import Sequence
-from typing import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..move.broadcast import broadcast, buffer_copies, fresh
+from ..trees.flatten import flatten
+from .replica_copies import Replica, SourceSnapshot, same, snap
+from .write_watch import WriteWatch
 
 # Private test switch: when true, every slot after the first on the source device gets its own full copy of the
 # parameters (as if it were another device), so that the copy machinery (broadcast, refresh, invalidation,
 # gradients summing back onto the source) runs and is tested on the CPU, with autograd-connected clones instead of
 # a CUDA broadcast. Never set it in real use: copies on the source device only cost time and memory.
 _COPY_ON_SOURCE_DEVICE = False
+_TOKEN = "dpfast.replica_lease"  # the key of the lease token in a grad_fn's metadata
 
 
 def check_module_device(module: nn.Module, source: torch.device) -> None:
@@ -54,20 +72,16 @@ def check_module_device(module: nn.Module, source: torch.device) -> None:
             )
 
 
-def _slots(source: torch.device, devices: Sequence[torch.device]) -> tuple[list[int | None], list[torch.device]]:
-    """``(slot_of, replica_devices)``: for each entry of ``devices``, None (the module itself: the first entry on
-    the source device) or the index of its replica in ``replica_devices`` (one replica per other entry)."""
-    slot_of: list[int | None] = []
-    replica_devices: list[torch.device] = []
-    seen_source = False
+def _slots(source: torch.device, devices: Sequence[torch.device]) -> list[tuple[torch.device, int] | None]:
+    """For each entry of ``devices``: None (the module itself: the first entry on the source device), or the slot
+    of its replica, ``(device, how many replicas on that device come before it)``."""
+    out: list[tuple[torch.device, int] | None] = []
+    seen: dict[torch.device, int] = {}
     for d in devices:
-        if d == source and not seen_source:
-            seen_source = True
-            slot_of.append(None)
-        else:
-            slot_of.append(len(replica_devices))
-            replica_devices.append(d)
-    return slot_of, replica_devices
+        k = seen.get(d, 0)
+        seen[d] = k + 1
+        out.append(None if d == source and k == 0 else (d, k - 1 if d == source else k))
+    return out
 
 
 def _check_copyable(source: torch.device, devices: Sequence[torch.device]) -> None:
@@ -79,242 +93,133 @@ def _check_copyable(source: torch.device, devices: Sequence[torch.device]) -> No
         )
 
 
-# The hook registries of an nn.Module that a forward (or backward) consults.
-_HOOK_DICTS = (
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-)
+class _GraphToken:
+    """Kept alive by a call's autograd graph (in its outputs' grad_fn metadata): while it lives, so may the graph."""
 
-
-def _snap(d: dict) -> tuple[tuple, tuple]:
-    """A dict's keys and values, as they are now (shallow)."""
-    return tuple(d), tuple(d.values())
-
-
-def _same(now: dict, snap: tuple[tuple, tuple]) -> bool:
-    """``now`` holds exactly ``snap``'s keys, in order, each bound to the very same object (C-speed identity
-    checks; a key re-inserted as an equal but other string reads as a change, which only costs a rebuild)."""
-    keys, values = snap
-    return len(now) == len(keys) and all(map(operator.is_, now, keys)) and all(map(operator.is_, now.values(), values))
-
-
-def _refuse_compiled(root: nn.Module) -> None:
-    """A ``torch.compile``'d module cannot be copied: its OptimizedModule forwards ``_parameters`` and ``_modules``
-    to the original, so a copy (torch's replicate too) would empty the original's; a module compiled in place
-    (``module.compile()``) keeps a compiled call bound to itself, which every copy would run. Raised before
-    anything is changed."""
-    for name, m in root.named_modules():
-        where = f"`{name}` of the wrapped module" if name else "the wrapped module"
-        if type(m).__name__ == "OptimizedModule" and hasattr(m, "_orig_mod"):
-            what, why = "a torch.compile'd module (OptimizedModule)", "copying it would empty the original's parameters"
-        elif m.__dict__.get("_compiled_call_impl") is not None:
-            what, why = "compiled in place (module.compile())", "every copy would run the original module"
-        else:
-            continue
-        raise TypeError(
-            f"{where} is {what}; its replicas cannot be made ({why}). Compile the wrapper instead: "
-            "torch.compile(dpfast.DataParallel(model, ...)), with the module itself uncompiled inside"
-        )
-
-
-def _set_via_setattr(r: nn.Module, key: str, t: torch.Tensor) -> None:
-    """A replica's parameter ``key`` on a module whose ``__setattr__`` tracks its weights. Through
-    ``Module.__setattr__`` a Parameter (the module's own, on its device) would be registered on the replica at every
-    step (global registration hooks firing per replica, a non-empty ``parameters()``). An RNN gets what its
-    ``__setattr__`` does without that (the same objects each step, so no re-flattening); other modules a view."""
-    names = r.__dict__.get("_flat_weights_names")
-    flat = r.__dict__.get("_flat_weights")
-    if isinstance(names, list) and isinstance(flat, list) and key in names:
-        r.__dict__[key] = t
-        flat[names.index(key)] = t
-    else:
-        setattr(r, key, t.view_as(t) if isinstance(t, nn.Parameter) else t)
+    __slots__ = ("__weakref__",)
 
 
 class _ReplicaSet:
-    """The module tree built once per replica, with the attribute slots each step writes parameters and buffers
-    into, and a snapshot of each replica module to undo what a forward changed."""
+    """Replicas of one :class:`SourceSnapshot`, one per slot, built on first use, leased to one call (and its graph)
+    at a time."""
 
-    def __init__(self, root: nn.Module, source: torch.device, devices: Sequence[torch.device]):
-        self.source = source
-        self.devices = list(devices)  # one replica per entry
+    def __init__(self, snapshot: SourceSnapshot):
+        self.snapshot = snapshot
+        self.replicas: dict[tuple[torch.device, int], Replica] = {}
+        self.lock = threading.Lock()  # held while a call runs on the set
+        self.graph: weakref.ref | None = None  # the last call's graph token
+        self._flat: list[nn.Module] = []  # every replica module, for the reference counts
+        self._own_refs: list[int] = []
+
+    def _refcounts(self) -> list[int]:
+        return list(map(sys.getrefcount, self._flat))
+
+    def leased(self) -> bool:
+        """Whether the last call's graph may still read these replicas (see the module docstring)."""
+        token = self.graph() if self.graph is not None else None
+        return token is not None and self._refcounts() != self._own_refs
+
+    def refresh(self, slots: list[tuple[torch.device, int]], source: torch.device) -> list[nn.Module]:
+        """This call's tensors into ``slots``' replicas (built if new); the other replicas drop theirs."""
+        self.graph = None
+        for key in slots:
+            if key not in self.replicas:
+                self.replicas[key] = Replica(self.snapshot)
+                self._flat.extend(self.replicas[key].modules)
+        used = set(slots)
+        for key, replica in self.replicas.items():
+            if key not in used:
+                replica.clear()
+        detach = not torch.is_grad_enabled()
+        params, buffers = self.snapshot.params, self.snapshot.buffers  # the module's very tensors, while valid
         # Parameter groups: replicas on the source device use the module's own parameters (group None); each other
         # device gets one copy shared by its replicas (the test switch: one copy per source-device replica).
-        self.copy_devices: list[torch.device] = []
-        self.group: list[int | None] = []
-        for d in self.devices:
-            if d == source and not _COPY_ON_SOURCE_DEVICE:
-                self.group.append(None)
-            elif d == source or d not in self.copy_devices:
-                self.copy_devices.append(d)
-                self.group.append(len(self.copy_devices) - 1)
-            else:
-                self.group.append(self.copy_devices.index(d))
-        _refuse_compiled(root)
-        modules = list(root.modules())
-        self.modules = modules
-        self.snapshots = [
-            (type(m), _snap(m.__dict__), _snap(m._parameters), _snap(m._buffers), _snap(m._modules)) for m in modules
-        ]
-        index = {id(m): i for i, m in enumerate(modules)}
-        copies = [[m._replicate_for_data_parallel() for m in modules] for _ in self.devices]
-        params = list(root.parameters())  # deduplicated: a tied parameter is broadcast once, as in torch
-        param_index = {id(p): k for k, p in enumerate(params)}
-        buffers = list(root.buffers())
-        buffer_index = {id(b): k for k, b in enumerate(buffers)}
-        self.params, self.buffers = params, buffers
-        # slots: (replica j, replica module, attribute name, tensor index, via setattr?)
-        self.param_slots: list[tuple[int, nn.Module, str, int, bool]] = []
-        self.buffer_slots: list[tuple[int, nn.Module, str, int, bool]] = []
-        for j, row in enumerate(copies):
-            for i, m in enumerate(modules):
-                r = row[i]
-                r._former_parameters = OrderedDict()  # as torch's replicate (DDP reads it)
-                plain = type(m).__setattr__ is nn.Module.__setattr__  # RNNs override it to track _flat_weights
-                for key, child in m._modules.items():
-                    if child is None:
-                        r._modules[key] = None
-                    else:
-                        setattr(r, key, row[index[id(child)]])
-                for key, p in m._parameters.items():
-                    if p is None:
-                        r._parameters[key] = None
-                    else:
-                        self.param_slots.append((j, r, key, param_index[id(p)], not plain))
-                for key, b in m._buffers.items():
-                    if b is None:
-                        r._buffers[key] = None
-                    else:
-                        self.buffer_slots.append((j, r, key, buffer_index[id(b)], not plain))
-        self.roots = [row[0] for row in copies]
-        # Each replica gets hook dicts of its own, copied from the module's: a forward that registers hooks (HF
-        # models install their output-capturing hooks on first use) must not add them to the module's own.
-        self.hooked = [(r, m) for row in copies for r, m in zip(row, modules)]
-        for r, m in self.hooked:
-            for name in _HOOK_DICTS:
-                if name in m.__dict__:
-                    r.__dict__[name] = OrderedDict(m.__dict__[name])
-        self.clear()
-        self.pristine = [
-            (r, r.__dict__.copy(), dict(r._parameters), dict(r._buffers), dict(r._modules))
-            for row in copies
-            for r in row
-        ]
-        self.lock = threading.Lock()
-
-    def valid(self, root: nn.Module) -> bool:
-        """Whether the source tree is still the one these replicas were built from (see the module docstring)."""
-        modules = self.modules
-        if modules[0] is not root:
-            return False
-        for m, (t, d, p, b, c) in zip(modules, self.snapshots):
-            if not (
-                type(m) is t  # a __class__ swap leaves the dicts as they were
-                and _same(m.__dict__, d)
-                and _same(m._parameters, p)
-                and _same(m._buffers, b)
-                and _same(m._modules, c)
-            ):
-                return False
-        return True
-
-    def _undo_forward_changes(self) -> None:
-        """Attributes, submodules, buffers or hooks a replica's forward set in an earlier step: back to the module's.
-        (Restoring every replica is cheaper than checking which ones changed.)"""
-        for r, d, p, b, c in self.pristine:
-            live = r.__dict__
-            live.clear()
-            live.update(d)
-            for now, snap in ((r._parameters, p), (r._buffers, b), (r._modules, c)):
-                now.clear()
-                now.update(snap)
-        for r, m in self.hooked:  # the module's hooks as they are now (the same hook ids in the same order)
-            for name in _HOOK_DICTS:
-                mine, theirs = r.__dict__.get(name), m.__dict__.get(name)
-                if (
-                    mine is not None
-                    and theirs is not None
-                    and (len(mine) != len(theirs) or (theirs and any(map(operator.ne, mine, theirs))))
-                ):
-                    mine.clear()
-                    mine.update(theirs)
-
-    def refresh(self) -> None:
-        """Write this step's parameters (the module's own, or a broadcast copy) and fresh buffers into the slots."""
-        self.clear()  # the last step's
-        self._undo_forward_changes()
-        detach = not torch.is_grad_enabled()
-        params, buffers = self.params, self.buffers  # the module's very tensors, while valid() holds
-        pcopies = broadcast(params, self.source, self.copy_devices, detach)
-        bcopies = buffer_copies(buffers, self.source, self.copy_devices, detach)
-        # every replica gets buffers of its own: the first on a copy device takes that device's copy, the others
-        # (and the replicas on the source device) clone theirs
-        taken: set[int] = set()
-        own: list[list[torch.Tensor]] = []
-        for g in self.group:
+        groups: list[Any] = [None if d == source and not _COPY_ON_SOURCE_DEVICE else (d, k if d == source else 0)
+                             for d, k in slots]  # fmt: skip
+        copy_groups = list(dict.fromkeys(g for g in groups if g is not None))
+        copy_devices = [g[0] for g in copy_groups]
+        pcopies = broadcast(params, source, copy_devices, detach)
+        bcopies = buffer_copies(buffers, source, copy_devices, detach)
+        taken: set = set()
+        for key, g in zip(slots, groups):
+            # every replica gets buffers of its own: the first on a copy device takes that device's copy, the
+            # others (and the replicas on the source device) clone theirs
             if g is None:
-                own.append([fresh(b, detach) for b in buffers])
-            elif g not in taken:
+                own = [fresh(b, detach) for b in buffers]
+                mine = params
+            else:
+                c = copy_groups.index(g)
+                own = bcopies[c] if g not in taken else [fresh(b, detach) for b in bcopies[c]]
                 taken.add(g)
-                own.append(bcopies[g])
-            else:
-                own.append([fresh(b, detach) for b in bcopies[g]])
-        for j, r, key, k, via_setattr in self.param_slots:
-            g = self.group[j]
-            t = params[k] if g is None else pcopies[g][k]
-            # parameters of a replica live as plain attributes (torch's replicate does the same with setattr); a
-            # plain dict write is what Module.__setattr__ does for a tensor that is not a registered Parameter
-            if via_setattr:
-                _set_via_setattr(r, key, t)
-            else:
-                r.__dict__[key] = t
-            r._former_parameters[key] = t
-        for j, r, key, k, via_setattr in self.buffer_slots:
-            t = own[j][k]
-            if via_setattr:
-                setattr(r, key, t)
-            else:
-                r._buffers[key] = t
+                mine = pcopies[c]
+            self.replicas[key].write(mine, own)
+        self._own_refs = self._refcounts()  # (before the list below: no local may hold a replica module then)
+        return [self.replicas[key].root for key in slots]
 
     def clear(self) -> None:
-        """Drop the last step's tensors (memory, and the autograd graph they belong to) from the slots."""
-        for _, r, key, _, via_setattr in self.param_slots:
-            if via_setattr:  # e.g. an RNN's _flat_weights list holds them too
-                setattr(r, key, None)
-            else:
-                r.__dict__.pop(key, None)
-            r._former_parameters.pop(key, None)
-        for _, r, key, _, _ in self.buffer_slots:
-            r._buffers[key] = None
+        for replica in self.replicas.values():
+            replica.clear()
+
+
+class Lease:
+    """One call's replicas: ``modules`` (one per device entry), ``watch`` (the write check for the replicas that
+    share the module's device, or None) and :meth:`end`, called when the forward has run."""
+
+    def __init__(self, cache: ReplicaCache | None, rs: _ReplicaSet | None, modules: list, watch: WriteWatch | None):
+        self.modules = modules
+        self.watch = watch
+        self._cache, self._set = cache, rs
+
+    def end(self, outputs: Any = None, interrupted: bool = False) -> None:
+        """The call is over: lease the set to the graph of ``outputs`` (its tensors' grad_fn nodes), if any; an
+        ``interrupted`` call's set is never used again (a worker may still be running on it)."""
+        rs, self._set = self._set, None
+        if rs is None:
+            return
+        if interrupted and self._cache is not None:
+            self._cache.forget(rs)
+        elif outputs is not None and torch.is_grad_enabled():
+            rs.graph = _lease_to_graph(outputs)
+        self.modules = []
+        rs.lock.release()
+
+
+def _lease_to_graph(outputs: Any) -> weakref.ref | None:
+    """A token kept alive by the graph behind ``outputs`` (None when no output has a graph)."""
+    token = None
+    for leaf in flatten(outputs)[0]:
+        fn = getattr(leaf, "grad_fn", None) if isinstance(leaf, torch.Tensor) else None
+        meta = getattr(fn, "metadata", None) if fn is not None else None
+        meta = meta() if callable(meta) else meta  # a property of a graph node, a method of the abstract Node
+        if isinstance(meta, dict):
+            token = token or _GraphToken()
+            meta[_TOKEN] = token
+    return None if token is None else weakref.ref(token)
 
 
 class ReplicaCache:
-    """Persistent replicas of one module, per set of target devices (the few distinct sets a run needs: the full
-    device list, and fewer devices when a batch is smaller than the number of devices)."""
+    """The replica sets of one module (one per call running or leased to a pending graph; usually one)."""
 
-    max_sets = 4
+    max_sets = 8
 
     def __init__(self) -> None:
-        self._sets: OrderedDict[tuple, _ReplicaSet] = OrderedDict()
         self._lock = threading.Lock()
-        self.builds = 0  # how many times replicas were built (tests read it)
-        self._tree: tuple | None = None
+        self._source: SourceSnapshot | None = None
+        self._sets: list[_ReplicaSet] = []  # most recently used first
+        self._module_list: tuple | None = None
+        self.builds = 0  # how many sets were built (tests read it)
+        self.reported: set = set()  # the module writes a WriteWatch has warned about
 
     def __reduce__(self):  # deepcopy / pickle of the owning DataParallel: start empty
         return (ReplicaCache, ())
 
     def modules_of(self, root: nn.Module) -> list[nn.Module]:
         """``list(root.modules())``, cached while no module's ``_modules`` changed (one identity check each)."""
-        tree = self._tree
-        if tree is not None and tree[0] is root and all(map(_same, [m._modules for m in tree[1]], tree[2])):
-            return tree[1]
+        cached = self._module_list
+        if cached is not None and cached[0] is root and all(map(same, [m._modules for m in cached[1]], cached[2])):
+            return cached[1]
         modules = list(root.modules())
-        self._tree = (root, modules, [_snap(m._modules) for m in modules])
+        self._module_list = (root, modules, [snap(m._modules) for m in modules])
         return modules
 
     def check_module_device(self, root: nn.Module, source: torch.device) -> None:
@@ -325,74 +230,82 @@ class ReplicaCache:
                     check_module_device(root, source)  # the full walk and its message
                     return
 
-    def clear(self) -> None:
+    def forget(self, rs: _ReplicaSet) -> None:
         with self._lock:
-            self._sets.clear()
+            if rs in self._sets:
+                self._sets.remove(rs)
 
-    def replicate(
-        self, module: nn.Module, source: torch.device, devices: Sequence[torch.device]
-    ) -> tuple[list[nn.Module], Callable[[], None]]:
-        """``(modules, done)``: one module per entry of ``devices`` (``module`` itself for the first on ``source``, a
-        replica for every other) and a function to call when the step's forward has run (it lets the next step
-        reuse them; the step's tensors stay in them until then, and the other cached sets' are dropped)."""
-        slot_of, replica_devices = _slots(source, devices)
-        if not replica_devices:
-            return [module] * len(devices), _nothing
-        _check_copyable(source, replica_devices)
-        key = (tuple(replica_devices), _COPY_ON_SOURCE_DEVICE)
-        with self._lock:
-            rs = self._sets.get(key)
-            if rs is not None and not rs.valid(module):
-                del self._sets[key]
-                rs = None
-            if rs is None:
-                rs = _ReplicaSet(module, source, replica_devices)
-                self.builds += 1
-                self._sets[key] = rs
-                while len(self._sets) > self.max_sets:
-                    self._sets.popitem(last=False)
-            else:
-                self._sets.move_to_end(key)
-            others = [o for o in self._sets.values() if o is not rs]
-        for other in others:  # a set used once (a smaller last batch) must not keep its step's tensors for long
-            if other.lock.acquire(blocking=False):
-                try:
-                    other.clear()
-                    other._undo_forward_changes()  # and what its forward set (a cached activation, say)
-                finally:
-                    other.lock.release()
-        if not rs.lock.acquire(blocking=False):
-            # the same DataParallel is running in another thread right now: a one-off set for this call
-            rs = _ReplicaSet(module, source, replica_devices)
-            rs.lock.acquire()
+    def lease(self, module: nn.Module, source: torch.device, devices: Sequence[torch.device]) -> Lease:
+        """One module per entry of ``devices`` (``module`` itself for the first on ``source``, a replica for every
+        other), refreshed for this call; :meth:`Lease.end` when the call's forward has run."""
+        slot_of = _slots(source, devices)
+        slots = [s for s in slot_of if s is not None]
+        if not slots:
+            return Lease(None, None, [module] * len(devices), None)
+        _check_copyable(source, [d for d, _ in slots])
+        rs, stale = self._take(module)
+        _clear_free(stale)
         try:
-            rs.refresh()
+            replicas = iter(rs.refresh(slots, source))
         except BaseException:
             rs.clear()
             rs.lock.release()
             raise
-        modules = [module if s is None else rs.roots[s] for s in slot_of]
+        modules = [module if s is None else next(replicas) for s in slot_of]
+        watch = None
+        on_source = [i for i, d in enumerate(devices) if d == source]  # the module itself first, then its replicas
+        if len(on_source) > 1:
+            watch = WriteWatch(rs.snapshot, on_source, self.reported)
+        return Lease(self, rs, modules, watch)
 
-        def done() -> None:
-            # the step's tensors stay in the slots until the next step replaces them: a backward may still need
-            # them (torch.utils.checkpoint recomputes a replica's forward from its module)
-            rs.lock.release()
+    def _take(self, module: nn.Module) -> tuple[_ReplicaSet, list[_ReplicaSet]]:
+        """A free set of the module's current tree, locked for this call (built if none is free), and the sets
+        to clear: the free ones of this tree that hold another call's tensors, and every free one of an old tree."""
+        with self._lock:
+            stale: list[_ReplicaSet] = []
+            if self._source is None or not self._source.valid(module):
+                stale, self._sets = self._sets, []
+                self._source = SourceSnapshot(module)
+            chosen = None
+            for rs in self._sets:
+                if chosen is None and rs.lock.acquire(blocking=False):
+                    if not rs.leased():
+                        chosen = rs
+                        continue
+                    rs.lock.release()
+                elif chosen is not None and not rs.leased():
+                    stale.append(rs)  # cleared below, but kept: the next call may want it
+            if chosen is None:
+                chosen = _ReplicaSet(self._source)
+                chosen.lock.acquire()
+                self.builds += 1
+            else:
+                self._sets.remove(chosen)
+            self._sets.insert(0, chosen)
+            while len(self._sets) > self.max_sets:
+                self._sets.pop()  # the oldest: leased (or in use by another thread), so it lives on its own
+            return chosen, [s for s in stale if s is not chosen]
 
-        return modules, done
 
-
-def _nothing() -> None:
-    pass
+def _clear_free(sets: Sequence[_ReplicaSet]) -> None:
+    """Drop the tensors of every set no call is using and no graph still leases."""
+    for rs in sets:
+        if rs.lock.acquire(blocking=False):
+            try:
+                if not rs.leased():
+                    rs.clear()
+            finally:
+                rs.lock.release()
 
 
 def replicate_once(module: nn.Module, source: torch.device, devices: Sequence[torch.device]) -> list[nn.Module]:
     """One module per entry of ``devices``, as a call makes them (the module itself first on ``source``, a replica
     with buffers of its own for every other entry), but built for this use only: for torch's overridable
     ``DataParallel.replicate``, whose caller keeps the replicas as long as it likes."""
-    slot_of, replica_devices = _slots(source, devices)
-    if not replica_devices:
+    slot_of = _slots(source, devices)
+    slots = [s for s in slot_of if s is not None]
+    if not slots:
         return [module] * len(devices)
-    _check_copyable(source, replica_devices)
-    rs = _ReplicaSet(module, source, replica_devices)
-    rs.refresh()
-    return [module if s is None else rs.roots[s] for s in slot_of]
+    _check_copyable(source, [d for d, _ in slots])
+    replicas = iter(_ReplicaSet(SourceSnapshot(module)).refresh(slots, source))
+    return [module if s is None else next(replicas) for s in slot_of]

@@ -1,0 +1,216 @@
+"""The two halves of a replica: :class:`SourceSnapshot`, what the module's tree looked like when its replicas were built
+(and whether it still does), and :class:`Replica`, one copy of that tree for one device slot, with the attribute
+slots each call writes its parameters and buffers into. :mod:`dpfast.run.replicas` says when either is made, used
+and dropped.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from .rebinding import rebind
+
+# The hook registries of an nn.Module that a forward (or backward) consults.
+HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+# What a replica's __dict__ holds that is not rebound value by value: its own registries.
+_OWN_DICTS = frozenset(HOOK_DICTS) | {"_parameters", "_buffers", "_modules", "_former_parameters"}
+
+
+def snap(d: dict) -> tuple[tuple, tuple]:
+    """A dict's keys and values, as they are now (shallow)."""
+    return tuple(d), tuple(d.values())
+
+
+def same(now: dict, snapshot: tuple[tuple, tuple]) -> bool:
+    """``now`` holds exactly ``snapshot``'s keys, in order, each bound to the very same object (C-speed identity
+    checks; a key re-inserted as an equal but other string reads as a change, which only costs a rebuild)."""
+    keys, values = snapshot
+    return len(now) == len(keys) and all(map(operator.is_, now, keys)) and all(map(operator.is_, now.values(), values))
+
+
+def _refuse_compiled(root: nn.Module) -> None:
+    """A ``torch.compile``'d module cannot be copied: its OptimizedModule forwards ``_parameters`` and ``_modules``
+    to the original, so a copy (torch's replicate too) would empty the original's; a module compiled in place
+    (``module.compile()``) keeps a compiled call bound to itself, which every copy would run. Raised before
+    anything is changed."""
+    for name, m in root.named_modules():
+        where = f"`{name}` of the wrapped module" if name else "the wrapped module"
+        if type(m).__name__ == "OptimizedModule" and hasattr(m, "_orig_mod"):
+            what, why = "a torch.compile'd module (OptimizedModule)", "copying it would empty the original's parameters"
+        elif m.__dict__.get("_compiled_call_impl") is not None:
+            what, why = "compiled in place (module.compile())", "every copy would run the original module"
+        else:
+            continue
+        raise TypeError(
+            f"{where} is {what}; its replicas cannot be made ({why}). Compile the wrapper instead: "
+            "torch.compile(dpfast.DataParallel(model, ...)), with the module itself uncompiled inside"
+        )
+
+
+def _refuse_per_sample_gradients(root: nn.Module) -> None:
+    """opacus' GradSampleModule keeps one ``grad_sample`` per parameter, filled by the module's forward and
+    backward on one batch. Replicas each see a chunk: their rows would be added onto the same rows (or be lost on
+    another device's copy), so the per-sample gradients would not cover the batch. Refused, before anything runs."""
+    for name, m in root.named_modules():
+        if any(c.__module__.startswith("opacus") and c.__name__ == "AbstractGradSampleModule" for c in type(m).__mro__):
+            where = f"`{name}` of the wrapped module" if name else "the wrapped module"
+            raise TypeError(
+                f"{where} is opacus' {type(m).__name__}: its per-sample gradients (p.grad_sample) cannot be "
+                "computed by replicas, which each see a chunk of the batch (their rows would be summed onto the same "
+                "rows, or lost on other devices' copies). Run it on one device, or across processes with opacus' "
+                "DPDDP"
+            )
+
+
+class SourceSnapshot:
+    """The module tree as its replicas were built from it: every module, parameter and buffer, and a shallow
+    snapshot of each module's class and dicts, to tell by identity whether it is still the same tree."""
+
+    def __init__(self, root: nn.Module):
+        _refuse_compiled(root)
+        _refuse_per_sample_gradients(root)
+        self.root = root
+        self.modules = list(root.modules())
+        self.snapshots = [
+            (type(m), snap(m.__dict__), snap(m._parameters), snap(m._buffers), snap(m._modules)) for m in self.modules
+        ]
+        self.index = {id(m): i for i, m in enumerate(self.modules)}
+        self.params = list(root.parameters())  # deduplicated: a tied parameter is broadcast once, as in torch
+        self.param_index = {id(p): k for k, p in enumerate(self.params)}
+        self.buffers = list(root.buffers())
+        self.buffer_index = {id(b): k for k, b in enumerate(self.buffers)}
+        names: dict[int, str] = {}
+        for name, m in root.named_modules():
+            names.setdefault(id(m), name)
+        self.names = [names.get(id(m), "?") for m in self.modules]
+
+    def valid(self, root: nn.Module) -> bool:
+        """Whether ``root`` is still this tree: the same modules, each with the same class and the very same
+        attributes, parameters, buffers and submodules (see :mod:`dpfast.run.replicas`)."""
+        if self.modules[0] is not root:
+            return False
+        for m, (t, d, p, b, c) in zip(self.modules, self.snapshots):
+            if not (
+                type(m) is t  # a __class__ swap leaves the dicts as they were
+                and same(m.__dict__, d)
+                and same(m._parameters, p)
+                and same(m._buffers, b)
+                and same(m._modules, c)
+            ):
+                return False
+        return True
+
+
+class Replica:
+    """One copy of a :class:`SourceSnapshot` for one device slot: a module per source module (sharing its attributes,
+    with children, bound methods and hooks moved to the copy), the slots each call writes tensors into, and a
+    snapshot of each copy's dicts to undo what a forward changed."""
+
+    def __init__(self, snapshot: SourceSnapshot):
+        modules = snapshot.modules
+        copies = [m._replicate_for_data_parallel() for m in modules]
+        self.modules = copies
+        self.root = copies[0]
+        replica_of = {id(m): r for m, r in zip(modules, copies)}
+        # slots: (replica module, attribute, tensor index, index in an RNN's _flat_weights or -1)
+        self.param_slots: list[tuple[nn.Module, str, int, int]] = []
+        self.buffer_slots: list[tuple[nn.Module, str, int]] = []
+        for m, r in zip(modules, copies):
+            r._former_parameters = OrderedDict()  # as torch's replicate (DDP reads it)
+            for key, child in m._modules.items():
+                r._modules[key] = None if child is None else replica_of[id(child)]
+            names = r.__dict__.get("_flat_weights_names")  # an RNN tracks its weights in _flat_weights too
+            for key, p in m._parameters.items():
+                r._parameters[key] = None
+                if p is not None:
+                    flat = names.index(key) if isinstance(names, list) and key in names else -1
+                    self.param_slots.append((r, key, snapshot.param_index[id(p)], flat))
+            for key, b in m._buffers.items():
+                if b is not None:
+                    self.buffer_slots.append((r, key, snapshot.buffer_index[id(b)]))
+            for key, v in list(r.__dict__.items()):
+                if key not in _OWN_DICTS:
+                    new = rebind(v, replica_of)
+                    if new is not v:
+                        r.__dict__[key] = new
+        self._replica_of = replica_of
+        # Each replica gets hook dicts of its own, copied from the module's (with bound methods rebound): a forward
+        # that registers hooks (HF models install their output-capturing hooks on first use) must not add them to
+        # the module's own.
+        self._hook_pairs: list[tuple[dict, dict]] = []  # (the copy's hook dict, the module's), kept in step
+        for r, m in zip(copies, modules):
+            for name in HOOK_DICTS:
+                if name in m.__dict__:
+                    theirs = m.__dict__[name]
+                    r.__dict__[name] = mine = OrderedDict((k, rebind(h, replica_of)) for k, h in theirs.items())
+                    self._hook_pairs.append((mine, theirs))
+        self.holds_tensors = False  # a call's tensors are in the slots
+        self.dirty = False  # written for a call since the last undo (its forward may have changed the copies)
+        self.pristine = [
+            (r, r.__dict__.copy(), dict(r._parameters), dict(r._buffers), dict(r._modules)) for r in copies
+        ]
+
+    def write(self, params: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
+        """This call's parameters (the module's own, or a copy) and buffers (this replica's own) into the slots."""
+        self.undo()
+        self.sync_hooks()
+        for r, key, k, flat in self.param_slots:
+            t = params[k]
+            # written into _parameters directly, so that code reading a replica's parameters (named_parameters(),
+            # functional_call, a dtype or device probe) sees them as on the module, and no registration hook fires
+            r._parameters[key] = t
+            if flat >= 0:
+                r.__dict__["_flat_weights"][flat] = t
+            r._former_parameters[key] = t
+        for r, key, k in self.buffer_slots:
+            r._buffers[key] = buffers[k]
+        self.holds_tensors = True
+        self.dirty = True
+
+    def clear(self) -> None:
+        """Drop the tensors of the last call that wrote them (memory, and the autograd graph they belong to)."""
+        self.undo()
+        if not self.holds_tensors:
+            return
+        for r, key, _, flat in self.param_slots:
+            r._parameters[key] = None
+            if flat >= 0:
+                r.__dict__["_flat_weights"][flat] = None
+            r._former_parameters.pop(key, None)
+        for r, key, _ in self.buffer_slots:
+            r._buffers[key] = None
+        self.holds_tensors = False
+
+    def undo(self) -> None:
+        """Attributes, submodules, buffers or hooks a forward set: back to the module's. (Restoring every copy is
+        cheaper than checking which ones changed.)"""
+        if not self.dirty:
+            return
+        for r, d, p, b, c in self.pristine:
+            live = r.__dict__
+            live.clear()
+            live.update(d)
+            for now, snapshot in ((r._parameters, p), (r._buffers, b), (r._modules, c)):
+                now.clear()
+                now.update(snapshot)
+        self.dirty = False
+
+    def sync_hooks(self) -> None:
+        """The module's hooks as they are now (the same hook ids in the same order), rebound to this replica. (The
+        dicts are the same objects while the snapshot is valid: a module's hook dicts are never replaced.)"""
+        for mine, theirs in self._hook_pairs:
+            if (mine or theirs) and (len(mine) != len(theirs) or any(map(operator.ne, mine, theirs))):
+                mine.clear()
+                mine.update((k, rebind(h, self._replica_of)) for k, h in theirs.items())

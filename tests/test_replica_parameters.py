@@ -1,0 +1,80 @@
+"""Code that reads a replica's parameters sees them on every replica as on replica 0 (the module itself), or gets
+a clear error: a dtype or device probe, ``torch.func.functional_call``, diffusers' models; opacus' per-sample
+gradients, which replicas cannot fill in together, are refused before anything runs."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import dpfast
+
+from dp_testing import DT
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class Probing(nn.Module):
+    """Reads its own parameters in forward, as many models do (a dtype probe, functional_call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(3, 2)
+
+    def forward(self, x):
+        dtype = next(self.parameters()).dtype  # StopIteration on a replica without parameters
+        params = {k: 2 * v for k, v in self.inner.named_parameters()}
+        return torch.func.functional_call(self.inner, params, (x.to(dtype),))
+
+
+def test_a_replica_reads_the_parameters_the_module_has():
+    """Was: replicas > 0 had no parameters (torch's replicas have none): a StopIteration there."""
+    torch.manual_seed(0)
+    m = Probing().to(DT)
+    dp = dpfast.DataParallel(m, ["cpu"] * 3)
+    x = torch.randn(7, 3, dtype=DT)
+    out = dp(x)
+    torch.testing.assert_close(out, m(x))
+    out.sum().backward()
+    ref = copy.deepcopy(m)
+    ref.zero_grad()
+    ref(x).sum().backward()
+    torch.testing.assert_close(m.inner.weight.grad, ref.inner.weight.grad)
+
+
+def test_diffusers_unet_on_every_replica():
+    """Was: UnboundLocalError in diffusers' dtype probe, on replicas >= 1 only (no parameters there)."""
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    unet = diffusers.UNet2DModel(
+        sample_size=8, in_channels=3, out_channels=3, layers_per_block=1, block_out_channels=(8, 16),
+        down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"), norm_num_groups=4,
+    ).to(DT)  # fmt: skip
+    dp = dpfast.DataParallel(unet, ["cpu"] * 3)
+    x, t = torch.randn(5, 3, 8, 8, dtype=DT), torch.tensor([3] * 5)
+    torch.testing.assert_close(dp(x, t).sample, unet(x, t).sample)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ew"])
+def test_opacus_per_sample_gradients_are_refused(mode):
+    """Was (ew): grad_sample held replica 0's rows only (4 of 10), and a private step ended 2.2e-2 from the
+    plain one, silently."""
+    pytest.importorskip("opacus")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # opacus' notes about its modes
+        from opacus.grad_sample.utils import wrap_model
+
+        gsm = wrap_model(model, grad_sample_mode=mode)
+    before = copy.deepcopy(model.state_dict())
+    dp = dpfast.DataParallel(gsm, ["cpu"] * 3)
+    with pytest.raises(TypeError, match=r"opacus' GradSampleModule\w*: its per-sample gradients.*Run it on one"):
+        dp(torch.randn(10, 3))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(getattr(p, "grad_sample", None) is None for p in model.parameters())
+    dpfast.DataParallel(gsm, ["cpu"])(torch.randn(10, 3))  # one device: no replicas, opacus as usual

@@ -134,3 +134,30 @@ def test_eval_without_running_stats_does_not_sync():
     out = dpfast.DataParallel(bn, ["cpu"] * 2)(x)
     expected = torch.cat([nn.functional.batch_norm(c, None, None, training=True) for c in x.split(3)])
     torch.testing.assert_close(out, expected)
+
+
+_HAS_BIAS_FLAG = "bias" in __import__("inspect").signature(nn.BatchNorm1d.__init__).parameters
+
+
+@pytest.mark.skipif(not _HAS_BIAS_FLAG, reason="this torch's BatchNorm has no bias= flag")
+def test_batchnorm_without_bias_trains_as_full_batch(device):
+    """``BatchNorm(..., bias=False)`` (a weight and no bias), converted or built directly, in a synced step."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, bias=False)).to(DT).to(device)
+    for synced in (convert_sync_batchnorm(copy.deepcopy(plain)), None):
+        if synced is None:
+            synced = copy.deepcopy(plain)
+            synced[1] = SyncBatchNorm(4, bias=False, device=device, dtype=DT)
+            synced[1].load_state_dict(plain[1].state_dict())
+        assert synced[1].weight is not None and synced[1].bias is None
+        dp = dpfast.DataParallel(synced, [device] * 3)
+        x = torch.randn(7, 3, dtype=DT, device=device)
+        out_p, out_s = plain(x), dp(x)
+        torch.testing.assert_close(out_s, out_p)
+        _loss(out_p).backward()
+        _loss(out_s).backward()
+        for p, s in zip(plain.parameters(), synced.parameters()):
+            torch.testing.assert_close(s.grad, p.grad)
+            s.grad = p.grad = None
+        _assert_buffers_equal(plain, synced)
+        plain.load_state_dict(synced.state_dict())

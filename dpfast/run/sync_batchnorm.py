@@ -37,7 +37,7 @@ class SyncBatchNorm(_BatchNorm):
         device: where the parameters and buffers are made.
         dtype: their dtype.
         bias: keyword-only, where torch's BatchNorm takes it: with ``affine``, learn the bias too (``False``: the
-            weight only). ``bias=False`` fails in a synchronized training step for now (a known defect).
+            weight only).
     """
 
     def _check_input_dim(self, input: Tensor) -> None:
@@ -103,7 +103,9 @@ class SyncBatchNorm(_BatchNorm):
         var = all_reduce((centered * centered).sum(dims), "sum") / count
         out = centered * torch.rsqrt(var + self.eps).reshape(shape)
         if self.weight is not None:
-            out = out * self.weight.reshape(shape) + self.bias.reshape(shape)
+            out = out * self.weight.reshape(shape)
+        if self.bias is not None:  # torch's BatchNorm(..., bias=False) has a weight and no bias
+            out = out + self.bias.reshape(shape)
         out = out.to(input.dtype)  # as BatchNorm returns the input's dtype, whatever its parameters' dtype
         if self.track_running_stats and self.running_mean is not None:
             with torch.no_grad():

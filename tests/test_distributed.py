@@ -1,38 +1,28 @@
 """dpfast.DistributedDataParallel on 2 and 3 gloo ranks (CPU processes), against the single-process full-batch run.
 
-Process spawn is slow on this box, so each world size spawns **one** group that runs every scenario in turn and
-writes one result per scenario and rank (``None`` or the failure text); the tests below only read those results.
-Every collective has a 30 s gloo timeout and the whole group a wall-clock limit, so a hang fails instead of blocking,
-and the processes are killed in any case.
+The scenarios run inside one spawned group per world size (tests/ddp_harness.py); the tests below read their results.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import json
-import os
-import socket
-import tempfile
 import time
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 import dpfast
 import dpfast.plan.splits
-from dpfast.distributed import DistributedBatchError, shard_batch, shard_dataset, shard_range
+from dpfast.distributed import shard_batch, shard_dataset, shard_range
 from dpfast.run.rendezvous import solo_context
 
+from ddp_harness import GroupRuns, expect_batch_error
 from dp_testing import DT, MLP, Contrastive, Losses
 
-GROUP_TIMEOUT_S = 150  # the whole spawned group; a healthy run takes a few seconds
 BATCHES = {2: (5, 1), 3: (7, 2)}  # not divisible by the world size, and smaller than it
 
 
@@ -296,7 +286,7 @@ def _buffers_without_check_batch():
     ddp = dpfast.DistributedDataParallel(_Seen().to(DT), chunk_sizes=[0] + [1] * (world - 1), check_batch=False)
     ddp(torch.randn(0 if rank == 0 else 2, 2, dtype=DT)).sum().backward()  # rank 0: nothing to split; the others do
     ddp(torch.randn(2, 2, dtype=DT)).sum().backward()  # rank 1 had rows first above: a source only it would pick
-    assert ddp._buffer_source == 0
+    assert ddp._checks.buffer_source == 0
     dist.barrier()
 
 
@@ -353,16 +343,7 @@ def _no_tensor_to_split():
 
 
 def _expect_batch_error(ddp, *inputs, contains=()):
-    try:
-        ddp(*inputs)
-    except DistributedBatchError as exc:
-        msg = str(exc)
-        for rank in range(dist.get_world_size()):
-            assert f"rank {rank}" in msg, msg
-        for c in contains:
-            assert c in msg, msg
-        return msg
-    raise AssertionError("no DistributedBatchError")
+    return expect_batch_error(lambda: ddp(*inputs), contains)
 
 
 def _mismatched_batch():
@@ -433,13 +414,14 @@ def _one_rank_cannot_gather():
 
 
 def _mismatched_values():
+    """Without gather_outputs the check rides in the first gradient bucket: the mismatch raises from backward()."""
     rank = dist.get_rank()
     ddp = dpfast.DistributedDataParallel(Losses().to(DT), out_dims=("mean", "sum", 0), check_batch="values")
     x, y = _xy(4)
-    ddp(x, y)  # same values: fine
+    ddp(x, y)[0].backward()  # same values: fine
     if rank == 0:
         x = x + 1
-    _expect_batch_error(ddp, x, y, contains=("values",))
+    expect_batch_error(lambda: ddp(x, y)[0].backward(), contains=("`x values`",))
 
 
 def _shard_helpers():
@@ -471,81 +453,9 @@ def _shard_helpers():
 
 # ---- the spawned group -------------------------------------------------------------------------------------------
 
-
-def _worker(rank, world, port, outdir):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
-    results = {}
-    try:
-        for name, fn in _scenarios(world).items():
-            try:
-                fn()
-                results[name] = None
-            except Exception:
-                results[name] = traceback.format_exc()
-            with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:  # written as we go: a hang still reports
-                json.dump(results, f)
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@functools.cache
-def _run_group(world):
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as outdir:
-        port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world, port, outdir), daemon=True) for r in range(world)]
-        try:
-            for p in procs:
-                p.start()
-            t0 = time.monotonic()
-            for p in procs:
-                p.join(max(0.0, GROUP_TIMEOUT_S - (time.monotonic() - t0)))
-            hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
-        results = {}
-        for r in range(world):
-            path = os.path.join(outdir, f"rank{r}.json")
-            if os.path.exists(path):
-                with open(path) as f:
-                    results[r] = json.load(f)
-            else:
-                results[r] = {}
-        codes = [p.exitcode for p in procs]
-    return results, hung, codes
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_group_ran_every_scenario(world):
-    results, hung, codes = _run_group(world)
-    assert not hung, f"ranks {hung} hung; results so far: {results}"
-    assert codes == [0] * world, f"exit codes {codes}"
-    for r in range(world):
-        assert set(results[r]) == set(_scenarios(world)), f"rank {r} ran {sorted(results[r])}"
-
-
-def _scenario_ids():
-    return [(w, name) for w in (2, 3) for name in _scenarios(w)]
-
-
-@pytest.mark.parametrize("world, name", _scenario_ids(), ids=[f"{w}ranks-{n}" for w, n in _scenario_ids()])
-def test_scenario(world, name):
-    results, _, _ = _run_group(world)
-    failures = {r: results[r].get(name, "did not run (see test_group_ran_every_scenario)") for r in range(world)}
-    failures = {r: f for r, f in failures.items() if f is not None}
-    assert not failures, "\n".join(f"--- rank {r} ---\n{f}" for r, f in failures.items())
+RUNS = GroupRuns(_scenarios, worlds=(2, 3))
+test_group_ran_every_scenario = RUNS.group_test()
+test_scenario = RUNS.scenario_test()
 
 
 # ---- no process group needed -------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ and :func:`shard_dataset` are the public helpers for per-rank loading.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -14,11 +15,12 @@ import torch.distributed as dist
 
 from ..move.nested import scatter_jagged
 from ..move.scatter import scatter_packed
-from ..plan.call_plan import Mapped, plan_call
+from ..plan.call_plan import CallPlan, Mapped, plan_call
 from ..plan.costs import CostSpec
 from ..plan.splits import split_sizes, validate_chunk_sizes
 from ..trees.binding import ArgumentSpecs, ArgumentTree
 from ..trees.specs import Spec, validate_spec
+from .keeping_step import EmptyShare
 
 
 class Share(NamedTuple):
@@ -73,6 +75,52 @@ def take_rows(
             v = value.narrow(m.axis, start, length)
             values.append(v if m.axis == 0 else v.contiguous())
     return tree.rebuild(values)
+
+
+@dataclasses.dataclass
+class RankCall:
+    """This rank's part of one planned call: the arguments it runs, its :class:`Share` (``None`` while every
+    rank's rows are not known yet: per-rank inputs, where ``pending_rows`` holds this rank's), and how it runs when
+    it has no rows (``empty``)."""
+
+    args: tuple
+    kwargs: dict
+    share: Share | None
+    pending_rows: int | None = None
+    empty: EmptyShare | None = None
+
+
+def rank_call(
+    plan: CallPlan,
+    inputs: tuple,
+    kwargs: dict,
+    rank: int,
+    world: int,
+    per_rank: bool,
+    subs: dict,
+    move: Callable[[tuple, dict], tuple[tuple, dict]],
+) -> RankCall:
+    """Rank ``rank``'s part of ``plan``: its rows of the global batch, or (``per_rank``) the inputs as given.
+    ``subs`` replaces inputs by their views for the input-gradient node; ``move`` puts a ghost on the device."""
+    if per_rank:
+        args, kw = take_rows(plan.tree, [], 0, 0, subs) if subs else (inputs, kwargs)
+        rows = plan.batch_size
+        if rows is None:  # nothing to split on any rank (the ranks check it): as with the global batch
+            return RankCall(args, kw, Share(rank, world, None, (), 0, 0))
+        return RankCall(args, kw, None, rows, EmptyShare((args, kw), None) if rows == 0 else None)
+    if plan.mode != "split":  # nothing to split, or B == 0: every rank runs the whole input; rank 0's counts
+        args, kw = take_rows(plan.tree, [], 0, 0, subs) if subs else (inputs, kwargs)
+        return RankCall(args, kw, Share(rank, world, plan.batch_size, (), 0, plan.batch_size or 0))
+    start, stop = plan.share(rank)
+    share = Share(rank, world, plan.batch_size, tuple(plan.sizes), start, stop)
+    if stop > start:
+        return RankCall(*take_rows(plan.tree, plan.mapped, start, stop - start, subs), share)
+    try:
+        empty = take_rows(plan.tree, plan.mapped, start, 0, subs)
+    except ValueError:  # a PackedSequence or jagged tensor cannot hold zero samples: straight to the ghost
+        empty = None
+    ghost = EmptyShare(empty, lambda: move(*take_rows(plan.tree, plan.mapped, 0, 1, subs)))
+    return RankCall(*(empty or (inputs, kwargs)), share, None, ghost)
 
 
 def _rank_world(rank: int | None, world_size: int | None, group=None) -> tuple[int, int]:

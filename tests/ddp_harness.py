@@ -1,0 +1,141 @@
+"""Running scenarios on a group of gloo ranks (CPU processes on loopback), for the DistributedDataParallel tests.
+
+Process spawn is slow on this box, so each test module spawns **one** group per world size, which runs every
+scenario in turn and writes one result per scenario and rank (``None`` or the failure text); the tests only read
+those results. Every collective has a 30 s gloo timeout and the whole group a wall-clock limit, so a hang fails
+instead of blocking, and the processes are killed in any case.
+
+A test module defines ``_scenarios(world) -> {name: fn}`` at module level (the spawned ranks import it by name) and::
+
+    RUNS = GroupRuns(_scenarios, worlds=(2, 3))
+    test_group_ran_every_scenario = RUNS.group_test()
+    test_scenario = RUNS.scenario_test()
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+GROUP_TIMEOUT_S = 150  # the whole spawned group; a healthy run takes a few seconds per scenario
+COLLECTIVE_TIMEOUT_S = 30
+
+
+def _worker(rank: int, world: int, port: int, outdir: str, scenarios: Callable) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    results: dict = {}
+    try:
+        for name, fn in scenarios(world).items():
+            try:
+                fn()
+                results[name] = None
+            except Exception:
+                results[name] = traceback.format_exc()
+            with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:  # written as we go: a hang still reports
+                json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_group(scenarios: Callable, world: int, timeout_s: float = GROUP_TIMEOUT_S) -> tuple[dict, list, list]:
+    """Spawn ``world`` ranks running every scenario; returns (per-rank results, hung ranks, exit codes)."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as outdir:
+        port = free_port()
+        procs = [
+            ctx.Process(target=_worker, args=(r, world, port, outdir, scenarios), daemon=True) for r in range(world)
+        ]
+        try:
+            for p in procs:
+                p.start()
+            t0 = time.monotonic()
+            for p in procs:
+                p.join(max(0.0, timeout_s - (time.monotonic() - t0)))
+            hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        results = {}
+        for r in range(world):
+            path = os.path.join(outdir, f"rank{r}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    results[r] = json.load(f)
+            else:
+                results[r] = {}
+        codes = [p.exitcode for p in procs]
+    return results, hung, codes
+
+
+class GroupRuns:
+    """One group per world size, run once per test session, and the two tests that read it."""
+
+    def __init__(self, scenarios: Callable, worlds: Sequence[int] = (2, 3)):
+        self.scenarios = scenarios
+        self.worlds = tuple(worlds)
+        self.run = functools.cache(lambda world: run_group(scenarios, world))
+
+    def group_test(self) -> Callable:
+        @pytest.mark.parametrize("world", self.worlds)
+        def test_group_ran_every_scenario(world):
+            results, hung, codes = self.run(world)
+            assert not hung, f"ranks {hung} hung; results so far: {results}"
+            assert codes == [0] * world, f"exit codes {codes}"
+            for r in range(world):
+                assert set(results[r]) == set(self.scenarios(world)), f"rank {r} ran {sorted(results[r])}"
+
+        return test_group_ran_every_scenario
+
+    def scenario_test(self) -> Callable:
+        ids = [(w, name) for w in self.worlds for name in self.scenarios(w)]
+
+        @pytest.mark.parametrize("world, name", ids, ids=[f"{w}ranks-{n}" for w, n in ids])
+        def test_scenario(world, name):
+            results, _, _ = self.run(world)
+            missing = "did not run (see test_group_ran_every_scenario)"
+            failures = {r: results[r].get(name, missing) for r in range(world)}
+            failures = {r: f for r, f in failures.items() if f is not None}
+            assert not failures, "\n".join(f"--- rank {r} ---\n{f}" for r, f in failures.items())
+
+        return test_scenario
+
+
+def expect_batch_error(call: Callable[[], object], contains: Sequence[str] = (), within_s: float = 20.0) -> str:
+    """``call()`` raises DistributedBatchError naming every rank, promptly; returns its message."""
+    from dpfast.distributed import DistributedBatchError
+
+    t0 = time.monotonic()
+    try:
+        call()
+    except DistributedBatchError as exc:
+        msg = str(exc)
+        for rank in range(dist.get_world_size()):
+            assert f"rank {rank}" in msg, msg
+        for c in contains:
+            assert c in msg, msg
+        assert time.monotonic() - t0 < within_s, f"raised after {time.monotonic() - t0:.1f} s: a collective timed out"
+        return msg
+    raise AssertionError("no DistributedBatchError")

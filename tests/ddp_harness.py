@@ -5,6 +5,9 @@ scenario in turn and writes one result per scenario and rank (``None`` or the fa
 those results. Every collective has a 30 s gloo timeout and the whole group a wall-clock limit, so a hang fails
 instead of blocking, and the processes are killed in any case.
 
+``DPFAST_TEST_SCENARIOS=name,name`` runs only those scenarios (one at a time, e.g. to see each fail on old code
+without the others failing after it).
+
 A test module defines ``_scenarios(world) -> {name: fn}`` at module level (the spawned ranks import it by name) and::
 
     RUNS = GroupRuns(_scenarios, worlds=(2, 3))
@@ -33,6 +36,11 @@ GROUP_TIMEOUT_S = 150  # the whole spawned group; a healthy run takes a few seco
 COLLECTIVE_TIMEOUT_S = 30
 
 
+def selected(scenarios: dict) -> dict:
+    only = [n for n in os.environ.get("DPFAST_TEST_SCENARIOS", "").split(",") if n]
+    return {k: v for k, v in scenarios.items() if not only or k in only}
+
+
 def _worker(rank: int, world: int, port: int, outdir: str, scenarios: Callable) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -40,7 +48,7 @@ def _worker(rank: int, world: int, port: int, outdir: str, scenarios: Callable) 
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     results: dict = {}
     try:
-        for name, fn in scenarios(world).items():
+        for name, fn in selected(scenarios(world)).items():
             try:
                 fn()
                 results[name] = None
@@ -105,7 +113,7 @@ class GroupRuns:
             assert not hung, f"ranks {hung} hung; results so far: {results}"
             assert codes == [0] * world, f"exit codes {codes}"
             for r in range(world):
-                assert set(results[r]) == set(self.scenarios(world)), f"rank {r} ran {sorted(results[r])}"
+                assert set(results[r]) == set(selected(self.scenarios(world))), f"rank {r} ran {sorted(results[r])}"
 
         return test_group_ran_every_scenario
 

@@ -45,10 +45,10 @@ class StepChecks:
         """A forward starts: its record joins the chain (the first call checks it at once, before running)."""
         if not self.enabled:
             return
-        self.records.append(record)
-        if not self.checked_once:
-            self.check_now()
+        if not self.checked_once:  # nothing ran yet: a bad first call raises on every rank before it runs
+            agree_now(self.group.process_group, self.group.comm_device, [record])
             self.checked_once = True
+        self.records.append(record)  # how the forward ends (it may still fail) is checked with the step
 
     def ran(self, trace: list[tuple] | None, buffer_source: int) -> None:
         """What this forward did, kept until its check says it is what every rank did."""

@@ -13,6 +13,9 @@ share already issued are not issued again (the ghost gets their results), and if
 them its sample would be counted there: the step then fails on every rank (status ``GHOST_COUNTED``). The ghost
 leaves this rank's buffers and random-number state as they were. If the ghost is refused too (local BatchNorm
 refuses one sample), the rank replays the rest of the step's collectives and the step fails on every rank.
+
+Collectives in forward have adjoints in backward (``dpfast.all_reduce``'s backward all-reduces too), so a ghost gets
+the earlier collectives' results with their graph: its backward issues their adjoints, as every other rank's does.
 """
 
 from __future__ import annotations
@@ -57,8 +60,8 @@ class CollectiveLog:
             return self.results[i]
         out = communicate()
         self.entries.append((kind, arg, tuple(t.shape), t.dtype, t.device))
-        if self.keep_results:
-            self.results.append(out.detach())
+        if self.keep_results:  # with its graph: the ghost's backward must issue this collective's backward too
+            self.results.append(out)
         self.sent_in_attempt += 1
         return out
 
@@ -144,17 +147,17 @@ def run_empty_share(
 ) -> EmptyShareResult:
     """Run a rank's empty share through ``run`` (DDP's forward of the module), or the ghost when the module
     refuses it (see the module docstring)."""
-    device = next((p.device for p in module.parameters()), None)
-    snapshot = _Snapshot(module, device)
     refused: BaseException = ValueError("an empty share cannot be built for these inputs")
     if share.empty is not None:
         try:
             return EmptyShareResult(run(*share.empty[0], **share.empty[1]), OK, None)
         except Exception as exc:  # noqa: BLE001 - any refusal of B = 0; a real bug fails the ghost below too
             refused = exc
-        snapshot.restore()
     if share.ghost is None:
         return EmptyShareResult(None, EMPTY_REFUSED, refused)
+    # what the refused empty share did up to its refusal stands (an accepted one would have done it too, e.g. a
+    # SyncBatchNorm's running statistics from the whole batch); what the ghost does is undone
+    snapshot = _Snapshot(module, next((p.device for p in module.parameters()), None))
     log.restart()
     try:
         args, kwargs = share.ghost()

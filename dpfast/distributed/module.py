@@ -237,8 +237,10 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         """The step's check where a collective carries it, then the outputs (gathered, with gather_outputs)."""
         if self.gather_outputs:
             return self._gather(outputs, failed=False)
-        if not torch.is_grad_enabled():
-            self._checks.check_now()  # no collective follows a no_grad forward: check it now
+        if not torch.is_grad_enabled() or (self._log is not None and self._log.entries):
+            # no collective follows a no_grad forward; and after collectives in forward, the backward runs their
+            # adjoints, which a rank that cannot run its module could not issue: check now, before any backward
+            self._checks.check_now()
         return outputs  # else the check rides in the first gradient bucket (or waits for a synchronized backward)
 
     def _gather(self, outputs: Any, failed: bool) -> Any:
@@ -266,9 +268,12 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             self._share, self._pending_rows = None, None
             self._pre_forward()  # DDP's: buffer broadcast, bucket rebuild
             replay(self._checks.trace or [])
+        in_forward = bool(self._checks.trace) or bool(ran_forward and self._log is not None and self._log.entries)
         if self.gather_outputs:
             self._gather(None, failed=True)
-        elif torch.is_grad_enabled() and self.require_backward_grad_sync:
+        elif not torch.is_grad_enabled() or in_forward:  # where the others check (see _finish)
+            self._checks.check_now()
+        elif self.require_backward_grad_sync:
             if self._checks.sizes_exchanged:
                 self._exchange_sizes(0)
             self._match_all_reduce_for_bwd_pass()  # DDP's shadow of a backward (its join uses it)
@@ -277,8 +282,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             self.reducer._push_all_rebuilt_params()
             assert self._bucket_check is not None
             self._bucket_check.read()
-        elif not torch.is_grad_enabled():
-            self._checks.check_now()
         raise DistributedBatchError(
             f"dpfast.DistributedDataParallel: rank {self._rank} cannot run its part of this step "
             f"({record.error_line()}); under no_sync() the other ranks raise at the next synchronized backward"

@@ -16,10 +16,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..plan.costs import CostSpec
-from ..plan.splits import validate_chunk_sizes
 from ..trees.binding import ArgumentSpecs, forward_of
 from ..trees.specs import validate_spec
 from .agreement import NAME, DistributedBatchError
+from .sharding import rank_weights
 
 FIXED = ("inputs", "in_dims", "out_dims", "dim", "chunk_sizes", "cost", "gather_outputs", "check_batch")
 INPUTS = ("global", "per_rank")
@@ -75,7 +75,7 @@ def check_settings(module: Any, values: dict[str, Any], process_group: Any) -> t
     cost_spec = None if values["cost"] is None else CostSpec(values["cost"], specs)
     weights = None
     if dist.is_available() and dist.is_initialized():
-        weights = validate_chunk_sizes(values["chunk_sizes"], dist.get_world_size(process_group))
+        weights = rank_weights(values["chunk_sizes"], dist.get_world_size(process_group))
     return specs, cost_spec, weights
 
 

@@ -139,6 +139,20 @@ def _rank_world(rank: int | None, world_size: int | None, group=None) -> tuple[i
     return rank, world_size
 
 
+def rank_weights(chunk_sizes: Sequence[float] | None, world_size: int) -> list | None:
+    """``chunk_sizes`` checked as one relative weight per rank (exact fractions), or ``None``."""
+    try:
+        return validate_chunk_sizes(chunk_sizes, world_size)
+    except ValueError:
+        n = len(chunk_sizes) if hasattr(chunk_sizes, "__len__") else world_size  # (its message says device_ids)
+        if n != world_size:
+            raise ValueError(
+                f"chunk_sizes has {n} weights but there are {world_size} ranks; give one weight per rank (0 gives "
+                "a rank no rows)"
+            ) from None
+        raise
+
+
 def shard_range(
     n: int,
     rank: int | None = None,
@@ -150,7 +164,7 @@ def shard_range(
     split (earlier ranks take the remainder, ``chunk_sizes`` weights ranks) that :class:`DistributedDataParallel`
     and ``DataParallel`` use. Nothing is dropped or repeated: the ranges of all ranks partition ``range(n)``."""
     rank, world_size = _rank_world(rank, world_size)
-    sizes = split_sizes(n, world_size, validate_chunk_sizes(chunk_sizes, world_size))
+    sizes = split_sizes(n, world_size, rank_weights(chunk_sizes, world_size))
     start = sum(sizes[:rank])
     return range(start, start + sizes[rank])
 
@@ -194,7 +208,7 @@ def shard_batch(
     process group's.
     """
     rank, world_size = _rank_world(rank, world_size)
-    weights = validate_chunk_sizes(chunk_sizes, world_size)
+    weights = rank_weights(chunk_sizes, world_size)
     if in_dims is not None:
         validate_spec(in_dims, "in_dims", allow_reductions=False)
     specs = ArgumentSpecs(_one_batch, None if in_dims is None else {"batch": in_dims}, dim)

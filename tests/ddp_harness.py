@@ -1,4 +1,5 @@
-"""Running scenarios on a group of gloo ranks (CPU processes on loopback), for the DistributedDataParallel tests.
+"""Shared by the DistributedDataParallel tests: running scenarios on a group of gloo ranks (CPU processes on
+loopback), a small RRN (seed 000's model) and its inputs and loss, and comparing outputs and gradients.
 
 Process spawn is slow on this box, so each test module spawns **one** group per world size, which runs every
 scenario in turn and writes one result per scenario and rank (``None`` or the failure text); the tests only read
@@ -31,6 +32,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
+
+from dp_testing import DT, MLP
 
 GROUP_TIMEOUT_S = 150  # the whole spawned group; a healthy run takes a few seconds per scenario
 COLLECTIVE_TIMEOUT_S = 30
@@ -147,3 +151,69 @@ def expect_batch_error(call: Callable[[], object], contains: Sequence[str] = (),
         assert time.monotonic() - t0 < within_s, f"raised after {time.monotonic() - t0:.1f} s: a collective timed out"
         return msg
     raise AssertionError("no DistributedBatchError")
+
+
+# ---- models, inputs and comparisons ----------------------------------------------------------------------------
+
+
+class RRN(nn.Module):
+    """Seed 000's relational recurrent network, small: messages between N nodes, an LSTM(batch_first=True) whose
+    state is (num_layers, B, H), i.e. batch on axis 1 (in_dims={'h': 1}, out_dims=(0, 0, 1))."""
+
+    def __init__(self, d_in=3, hidden=5, message=4, out=2, layers=2):
+        super().__init__()
+        self.f = MLP(2 * hidden, message, hidden=8)
+        self.g_mlp = MLP(d_in + message, 6, hidden=8)
+        self.g = nn.LSTM(6, hidden, num_layers=layers, batch_first=True)
+        self.o = MLP(hidden, out, hidden=8)
+        self.message = message
+
+    def forward(self, x, hidden, h):
+        b, n, d = hidden.shape
+        hi = hidden.repeat(1, n, 1)
+        hj = hidden.unsqueeze(2).repeat(1, 1, n, 1).view(b, -1, d)
+        messages = self.f(torch.cat((hi, hj), dim=2)).view(b, n, n, self.message).sum(dim=2)
+        out, h = self.g(self.g_mlp(torch.cat((x, messages), dim=2)), h)
+        hidden = out.clone()
+        return self.o(hidden), hidden, h
+
+
+def rrn_inputs(b, n=3, layers=2, hidden=5):
+    g = torch.Generator().manual_seed(100 + b)
+    x = torch.randn(b, n, 3, dtype=DT, generator=g)
+    hid = torch.randn(b, n, hidden, dtype=DT, generator=g)
+    h = (torch.randn(layers, b, hidden, dtype=DT, generator=g), torch.randn(layers, b, hidden, dtype=DT, generator=g))
+    return x, hid, h
+
+
+def rrn_loss(outputs):
+    out, hidden, (hn, cn) = outputs
+    g = torch.Generator().manual_seed(7)
+    w_out = torch.randn(out.shape[1:], dtype=DT, generator=g)
+    w_h = torch.randn(hn.shape[-1], dtype=DT, generator=g)
+    return (out * w_out).sum() + (hidden**2).mean() + (hn * w_h).sum() + cn.pow(2).sum()
+
+
+def xy(b):
+    g = torch.Generator().manual_seed(200 + b)
+    return torch.randn(b, 4, dtype=DT, generator=g), torch.randn(b, 2, dtype=DT, generator=g)
+
+
+def losses_loss(outputs):
+    mse, sse, pred = outputs
+    return mse + 0.1 * sse + pred.pow(2).mean()
+
+
+def grads(module):
+    return {n: (p.grad.clone() if p.grad is not None else None) for n, p in module.named_parameters()}
+
+
+def assert_tree_close(actual, expected, what):
+    a_leaves, a_spec = torch.utils._pytree.tree_flatten(actual)
+    e_leaves, e_spec = torch.utils._pytree.tree_flatten(expected)
+    assert a_spec == e_spec, f"{what}: structure {a_spec} != {e_spec}"
+    for i, (a, e) in enumerate(zip(a_leaves, e_leaves)):
+        if isinstance(e, torch.Tensor):
+            torch.testing.assert_close(a, e, msg=lambda m, i=i: f"{what} leaf {i}: {m}")
+        else:
+            assert a == pytest.approx(e), f"{what} leaf {i}: {a} != {e}"

@@ -151,9 +151,10 @@ def raise_disagreement(group: Any, records: Sequence[StepRecord], rows: Sequence
 _STATUS_HEADLINES = {
     CANNOT_PLAN: "could not split {its} inputs, so no rank runs this step",
     EMPTY_REFUSED: (
-        "{has} no rows of this batch, and {its} module refused an empty batch (and a stand-in sample); make the "
-        "module accept an empty batch (e.g. x.reshape(len(x), -1) instead of x.view(B, -1)), or give every rank "
-        "rows (B >= world size, no chunk_sizes weight of 0)"
+        "{has} no rows of this batch, and {its} module could not run without them (it refused an empty batch, and "
+        "with the global batch a stand-in sample too); make the module accept an empty batch (e.g. "
+        "x.reshape(len(x), -1) instead of x.view(B, -1)), or give every rank rows (B >= world size, no "
+        "chunk_sizes weight of 0)"
     ),
     GHOST_COUNTED: (
         "{has} no rows of this batch, and {its} module refused an empty batch; the stand-in sample it ran instead "
@@ -185,7 +186,7 @@ def _headline(everyone: Sequence[Any], rows: Sequence[Sequence[int]]) -> str:
 
 def _first_difference(everyone: Sequence[Any]) -> tuple[int, list[str]]:
     """The first forward (of the chain) whose items differ between ranks, and the keys that differ."""
-    for i in range(len(everyone[0])):
+    for i in range(min(len(records) for records in everyone)):
         dicts = [records[i][2] for records in everyone]
         keys = [k for k in dict.fromkeys(k for d in dicts for k in d) if len({d.get(k) for d in dicts}) > 1]
         if keys:
@@ -225,11 +226,14 @@ def _names(keys: Sequence[str]) -> str:
 
 def _rank_lines(everyone: Sequence[Any], rank: int) -> list[str]:
     i, keys = _first_difference(everyone)
+    counts = {len(records) for records in everyone}
     lines = []
     for r, records in enumerate(everyone):
         failed = [(status, err) for status, err, _ in records if status != OK]
         if failed:
             text = failed[0][1] or "failed"
+        elif len(counts) > 1:
+            text = f"{len(records)} forward{'s' if len(records) != 1 else ''} since the last check"
         elif keys:
             d = records[i][2] if i < len(records) else {}
             text = "; ".join(f"{k}: {d.get(k, '(none)')}" for k in keys[:4])

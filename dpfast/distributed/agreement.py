@@ -52,15 +52,17 @@ class StepRecord:
     status: int
     error: BaseException | None
     items: dict[str, str]
-    fp: int = 0
+    _fp: int | None = None
 
-    def __post_init__(self) -> None:
-        self.fp = fingerprint((self.status, list(self.items.items())))
+    @property
+    def fp(self) -> int:
+        if self._fp is None:  # computed when a check needs it (never with check_batch=False)
+            self._fp = fingerprint((self.status, list(self.items.items())))
+        return self._fp
 
     def fail(self, status: int, error: BaseException) -> None:
         """This rank could not run its part after all (e.g. its module refused its empty share)."""
-        self.status, self.error = max(self.status, status), error
-        self.fp = fingerprint((self.status, list(self.items.items())))
+        self.status, self.error, self._fp = max(self.status, status), error, None
 
     def error_line(self) -> str:
         e = self.error

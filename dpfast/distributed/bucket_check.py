@@ -66,6 +66,8 @@ class BucketCheck:
         # (all-reduced buffer, table offset, bits, work to wait for or None)
         self._pending: tuple[torch.Tensor, int, int, Any] | None = None
         self._deferred: tuple[torch.Tensor, Any, int] | None = None  # CUDA: (pinned table, event, bits)
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._last_row: tuple | None = None
 
     def hook(self, state, bucket):  # unannotated: DDP checks annotations, and these would be strings here
         """The comm hook: the first bucket carries the table; the others are DDP's default (or the user's)."""
@@ -85,12 +87,23 @@ class BucketCheck:
         return fut.then(lambda f: f.value()[0][:n])
 
     def _table(self, n: int, dtype: torch.dtype, device: torch.device, bits: int) -> torch.Tensor:
-        """``n`` elements for the gradients, then the table with this rank's row filled in."""
+        """``n`` elements for the gradients, then the table with this rank's row filled in. The buffer is kept
+        for the next step: DDP copies the gradients out, and the table is read, before the next backward."""
         g, k = self.group, _row_width(bits)
-        full = torch.zeros(n + g.world * k, dtype=dtype, device=device)
+        full = self._buffers.get((n, dtype, device))
+        if full is None:
+            full = self._buffers[(n, dtype, device)] = torch.empty(n + g.world * k, dtype=dtype, device=device)
+        full[n:].zero_()
         at = n + g.rank * k
-        full[at : at + k] = torch.tensor(encode_row(self.row(), bits), dtype=dtype)
+        full[at : at + k] = self._encoded(tuple(self.row()), bits, dtype)
         return full
+
+    def _encoded(self, row: tuple, bits: int, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's row as a tensor; the same row (the same batch structure) step after step is made once."""
+        key = (row, bits, dtype)
+        if self._last_row is None or self._last_row[0] != key:
+            self._last_row = (key, torch.tensor(encode_row(row, bits), dtype=dtype))
+        return self._last_row[1]
 
     def _beside_user_hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         state, hook = self.user_hook  # type: ignore[misc]

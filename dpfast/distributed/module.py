@@ -36,6 +36,7 @@ full-batch one; otherwise each rank keeps its own rows' gradient, scaled by ``1/
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,7 +49,7 @@ from ..plan.call_plan import CallPlan, plan_call
 from ..plan.errors import ScatterError
 from ..run.collectives import observe_process_group_collectives
 from ..trees.specs import Spec
-from .agreement import EMPTY_REFUSED, GHOST_COUNTED, DistributedBatchError, StepRecord, describe_step
+from .agreement import EMPTY_REFUSED, GHOST_COUNTED, OK, DistributedBatchError, StepRecord, describe_step
 from .bucket_check import BucketCheck
 from .checks import StepChecks
 from .exchanges import RankGroup, through_input_grads
@@ -64,6 +65,19 @@ class _ShareRefused(Exception):
     def __init__(self, error: BaseException):
         super().__init__(str(error))
         self.error = error
+
+
+@dataclasses.dataclass
+class _CallState:
+    """What this rank's last forward left for the properties and DDP's overrides (in one plain object: setting
+    an attribute of an ``nn.Module`` costs microseconds, and a step sets several)."""
+
+    share: Share | None = None
+    pending_rows: int | None = None  # per-rank inputs: this rank's rows, until every rank's are known
+    empty: EmptyShare | None = None  # set for the forward of a rank that has no rows
+    log: CollectiveLog | None = None  # the process-group collectives of the forward
+    ghost_error: BaseException | None = None
+    capacity: int = 0  # bytes the output exchange's first all-gather carries (the same on every rank)
 
 
 class DistributedDataParallel(nn.parallel.DistributedDataParallel):
@@ -151,12 +165,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if check_batch and not self.gather_outputs:
             self._bucket_check = BucketCheck(self._group, self._checks.row, self._checks.verify)
             super().register_comm_hook(None, self._bucket_check.hook)
-        self._exchange_capacity = 0  # bytes the output exchange's first all-gather carries (the same on all ranks)
-        self._share: Share | None = None
-        self._pending_rows: int | None = None  # per-rank inputs: this rank's rows, until every rank's are known
-        self._empty: EmptyShare | None = None  # set for the forward of a rank that has no rows
-        self._log: CollectiveLog | None = None
-        self._ghost_error: BaseException | None = None
+        self._call = _CallState()
         self._settings_fixed = True
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -175,10 +184,10 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         """This rank's part of the last forward's batch (``None`` before the first). With ``inputs="per_rank"``
         and without ``gather_outputs`` the other ranks' row counts come from one small all-gather, run at the
         first read after a forward: read it (or :attr:`loss_scale`) on every rank or on none."""
-        if self._pending_rows is not None:
-            rows, self._pending_rows = self._pending_rows, None
-            self._share = _per_rank_share(self._rank, self._exchange_sizes(rows))
-        return self._share
+        if self._call.pending_rows is not None:
+            rows, self._call.pending_rows = self._call.pending_rows, None
+            self._call.share = _per_rank_share(self._rank, self._exchange_sizes(rows))
+        return self._call.share
 
     @property
     def loss_scale(self) -> float:
@@ -205,25 +214,28 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if self._bucket_check is not None:
             self._bucket_check.read_deferred()  # CUDA: the last backward's check
         plan, error = self._plan(inputs, kwargs)
-        record = describe_step(plan, error, self.inputs == "per_rank", self.check_batch == "values")
+        if self.check_batch:
+            record = describe_step(plan, error, self.inputs == "per_rank", self.check_batch == "values")
+        else:
+            record = StepRecord(OK, error, {})
         self._checks.begin(record)  # the first call is checked here, before anything runs (raises on every rank)
         if error is not None:
             if not self.check_batch:
                 raise error
             return self._keep_step(record, ran_forward=False)
         args, kw = self._take_share(plan, inputs, kwargs)
-        self._log = CollectiveLog(keep_results=self._empty is not None)
-        self._ghost_error = None
+        self._call.log = CollectiveLog(keep_results=self._call.empty is not None)
+        self._call.ghost_error = None
         try:
-            with observe_process_group_collectives(self._log):
+            with observe_process_group_collectives(self._call.log):
                 outputs = super().forward(*args, **kw)
         except _ShareRefused as refused:
             record.fail(EMPTY_REFUSED, refused.error)
             return self._keep_step(record, ran_forward=True)
-        if self._ghost_error is not None:
-            record.fail(GHOST_COUNTED, self._ghost_error)
-        source = next((r for r, n in enumerate(plan.sizes) if n > 0), 0) if plan.mode == "split" else 0
-        self._checks.ran(self._log.entries, source if self.inputs == "global" else 0)
+        if self._call.ghost_error is not None:
+            record.fail(GHOST_COUNTED, self._call.ghost_error)
+        if self.check_batch:
+            self._checks.ran(self._call.log.entries, _first_with_rows(plan) if self.inputs == "global" else 0)
         return self._finish(outputs)
 
     def _plan(self, inputs: tuple, kwargs: dict) -> tuple[CallPlan | None, BaseException | None]:
@@ -237,14 +249,14 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         """The step's check where a collective carries it, then the outputs (gathered, with gather_outputs)."""
         if self.gather_outputs:
             return self._gather(outputs, failed=False)
-        if not torch.is_grad_enabled() or (self._log is not None and self._log.entries):
+        if not torch.is_grad_enabled() or (self._call.log is not None and self._call.log.entries):
             # no collective follows a no_grad forward; and after collectives in forward, the backward runs their
             # adjoints, which a rank that cannot run its module could not issue: check now, before any backward
             self._checks.check_now()
         return outputs  # else the check rides in the first gradient bucket (or waits for a synchronized backward)
 
     def _gather(self, outputs: Any, failed: bool) -> Any:
-        s = self._share
+        s = self._call.share
         per_rank = self.inputs == "per_rank"
         call = OutputsCall(
             self._group,
@@ -253,22 +265,23 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             self._checks.row(),
             self._checks.verify,
             None if per_rank else (s.sizes if s is not None else ()),
-            self._pending_rows if per_rank else None,
-            self._exchange_capacity,
+            self._call.pending_rows if per_rank else None,
+            self._call.capacity,
         )
-        result, rows, self._exchange_capacity = gather_across_ranks(call, outputs, failed)
+        result, rows, self._call.capacity = gather_across_ranks(call, outputs, failed)
         if per_rank and rows is not None and min(rows) >= 0:
-            self._pending_rows, self._share = None, _per_rank_share(self._rank, rows)
+            self._call.pending_rows, self._call.share = None, _per_rank_share(self._rank, rows)
         return result
 
     def _keep_step(self, record: StepRecord, ran_forward: bool) -> Any:
         """This rank cannot run its part (``record`` says why): it issues the step's collectives anyway, with
         nothing to contribute, up to the check, where every rank raises."""
         if not ran_forward:
-            self._share, self._pending_rows = None, None
+            self._call.share, self._call.pending_rows = None, None
             self._pre_forward()  # DDP's: buffer broadcast, bucket rebuild
             replay(self._checks.trace or [])
-        in_forward = bool(self._checks.trace) or bool(ran_forward and self._log is not None and self._log.entries)
+        log = self._call.log if ran_forward else None
+        in_forward = bool(self._checks.trace) or bool(log is not None and log.entries)
         if self.gather_outputs:
             self._gather(None, failed=True)
         elif not torch.is_grad_enabled() or in_forward:  # where the others check (see _finish)
@@ -292,7 +305,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         average = self.gather_outputs and self.inputs == "global"
         subs = through_input_grads(plan.tree, self._group, average) if torch.is_grad_enabled() else {}
         part = rank_call(plan, inputs, kwargs, self._rank, self._world, self.inputs == "per_rank", subs, self._moved)
-        self._share, self._pending_rows, self._empty = part.share, part.pending_rows, part.empty
+        self._call.share, self._call.pending_rows, self._call.empty = part.share, part.pending_rows, part.empty
         return part.args, part.kwargs
 
     def _moved(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -306,7 +319,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     def _run_ddp_forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Inside torch's DDP forward (between its pre- and post-forward): a rank without rows runs its empty
         share, or a ghost (see :mod:`dpfast.distributed.keeping_step`)."""
-        empty, log = self._empty, self._log
+        empty, log = self._call.empty, self._call.log
         if empty is None or log is None:
             return super()._run_ddp_forward(*inputs, **kwargs)
         result = run_empty_share(super()._run_ddp_forward, self.module, empty, log, self.out_dims, self.dim)
@@ -315,7 +328,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             replay(trace[len(log.entries) :])  # the rest of the step's collectives, so the others do not wait
             raise _ShareRefused(result.error)
         if result.status == GHOST_COUNTED:
-            self._ghost_error = result.error
+            self._call.ghost_error = result.error
         return result.outputs
 
     def _sync_buffers(self) -> None:
@@ -361,6 +374,16 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if self.gather_outputs:
             parts.append("gather_outputs=True")
         return ", ".join(parts)
+
+
+def _first_with_rows(plan: CallPlan) -> int:
+    """The first rank with rows (DDP's buffers come from it at the next forward); 0 when nothing was split."""
+    if plan.mode != "split":
+        return 0
+    for r, n in enumerate(plan.sizes):
+        if n > 0:
+            return r
+    return 0
 
 
 def _per_rank_share(rank: int, rows: Sequence[int]) -> Share:

@@ -11,10 +11,9 @@ summed gradient). Every replica adds in the same order, so all replicas get bit-
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Callable
 
 import torch
@@ -105,17 +104,21 @@ Observer = Callable[[str, Tensor, object, Callable[[], Tensor]], Tensor]
 _OBSERVER: contextvars.ContextVar[Observer | None] = contextvars.ContextVar("dpfast_collective_observer", default=None)
 
 
-@contextlib.contextmanager
-def observe_process_group_collectives(observer: Observer) -> Iterator[None]:
+class observe_process_group_collectives:
     """Within the block, every ``all_gather``/``all_reduce`` across a process group goes through ``observer``:
     ``observer(kind, t, arg, communicate)`` (``kind`` is ``"all_gather"`` or ``"all_reduce"``, ``arg`` the dim or
     op) returns the result, by calling ``communicate()`` or instead of it. DistributedDataParallel counts them, and
-    replays them for a rank that must keep step with the others without running its module."""
-    token = _OBSERVER.set(observer)
-    try:
-        yield
-    finally:
-        _OBSERVER.reset(token)
+    replays them for a rank that must keep step with the others without running its module. (A class, not a
+    generator: it wraps every DistributedDataParallel forward.)"""
+
+    def __init__(self, observer: Observer) -> None:
+        self.observer = observer
+
+    def __enter__(self) -> None:
+        self.token = _OBSERVER.set(self.observer)
+
+    def __exit__(self, *exc: object) -> None:
+        _OBSERVER.reset(self.token)
 
 
 def _through_observer(kind: str, t: Tensor, arg: object, communicate: Callable[[], Tensor]) -> Tensor:

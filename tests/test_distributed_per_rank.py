@@ -69,6 +69,55 @@ def _rrn(b):
     assert ddp.share.start == sum(ddp.share.sizes[:rank])
 
 
+def _reasoning_without_gather(b):
+    """Each rank feeds its own returned state back (no gather) and scales its local loss by loss_scale: the
+    gradients are the full-batch ones. Before, the fed-back state's gradient was scaled by 1/W at every call, as a
+    leaf input's is, though it flows on into the earlier call's graph (parameter gradients 1/W too small there)."""
+    torch.manual_seed(0)
+    module = RRN().to(DT)
+    ref = copy.deepcopy(module)
+    x, hid, h = rrn_inputs(b)
+    with solo_context():
+        args, want = (x, hid, h), []
+        for _ in range(2):
+            out = ref(*args)
+            want.append(out)
+            args = (x,) + tuple(out[1:])
+    sum(_mean_rrn_loss(o) for o in want).backward()
+    ddp = dpfast.DistributedDataParallel(module, inputs="per_rank", in_dims={"h": 1}, out_dims=(0, 0, 1))
+    xr, hid_r, h_r = _per_rank((x, hid, h), in_dims=(0, 0, 1))
+    args, losses = (xr, hid_r, h_r), []
+    for _ in range(2):
+        out = ddp(*args)
+        losses.append(_mean_rrn_loss(out))
+        args = (xr,) + tuple(out[1:])
+    (sum(losses) * ddp.loss_scale).backward()
+    for name, g in grads(ref).items():
+        torch.testing.assert_close(grads(ddp.module)[name], g, msg=lambda m, name=name: f"grad of {name}: {m}")
+
+
+def _mean_rrn_loss(outputs):
+    """A per-sample mean over the rows given (times loss_scale, over the ranks' rows: the full batch's)."""
+    out, hidden, (hn, cn) = outputs
+    g = torch.Generator().manual_seed(7)
+    w_out = torch.randn(out.shape[1:], dtype=DT, generator=g)
+    w_h = torch.randn(hn.shape[-1], dtype=DT, generator=g)
+    per_sample = (out * w_out).sum((1, 2)) + hidden.pow(2).mean((1, 2))
+    per_sample = per_sample + (hn * w_h).sum((0, 2)) + cn.pow(2).sum((0, 2))
+    return per_sample.mean() if len(per_sample) else per_sample.sum()
+
+
+def _example_checks():
+    """examples/ddp_rrn.py's float64 check, global batch and per-rank rows, on the seed's RRN."""
+    from dpfast.__main__ import load_example
+
+    example = load_example("ddp_rrn")
+    cfg = example.Config(batch=6)
+    for per_rank in (False, True):
+        worst = example.check(cfg, torch.device("cpu"), 6, per_rank)
+        assert worst < 1e-9, worst
+
+
 def _uneven_mean_and_sum():
     """Shares of 3 and 1 rows (and 3, 1, 2): "mean" is weighted by share, "sum" adds every rank's."""
     world = dist.get_world_size()
@@ -204,6 +253,8 @@ def _scenarios(world):
     return {
         "rrn_B7": functools.partial(_rrn, 7),
         "rrn_B_world": functools.partial(_rrn, world),  # one row per rank (the RRN refuses an empty batch)
+        "reasoning_without_gather": functools.partial(_reasoning_without_gather, 7),
+        "example_checks": _example_checks,
         "uneven_mean_and_sum": _uneven_mean_and_sum,
         "a_rank_without_rows": _a_rank_without_rows,
         "loss_scale_without_gather": _loss_scale_without_gather,

@@ -100,8 +100,15 @@ class AverageInputGrads(torch.autograd.Function):
 
 def through_input_grads(tree: Any, group: RankGroup, average: bool) -> dict:
     """The call's tensor inputs that require grad, seen through one node that averages (``average``: the global
-    batch with ``gather_outputs``) or scales their gradients; maps each such leaf (by ``id``) to its view."""
-    leaves = [leaf for leaf in tree.leaves if isinstance(leaf.value, Tensor) and leaf.value.requires_grad]
+    batch with ``gather_outputs``) or scales their gradients; maps each such leaf (by ``id``) to its view.
+
+    Only leaf tensors are scaled: the gradient of an input computed by an earlier call (a recurrent state fed back)
+    flows on into that call's graph, where DDP's averaging already accounts for it."""
+    leaves = [
+        leaf
+        for leaf in tree.leaves
+        if isinstance(leaf.value, Tensor) and leaf.value.requires_grad and (average or leaf.value.is_leaf)
+    ]
     if not leaves:
         return {}
     values = [leaf.value for leaf in leaves]

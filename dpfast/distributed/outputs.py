@@ -116,23 +116,27 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _pack(got: _Leaves, active: bool, device: torch.device) -> Tensor:
-    """This rank's payload: the rows of each "cat" tensor (int64), then every tensor's bytes, 16-byte aligned.
-    A rank whose outputs do not count sends no rows ("cat") and values that get weight 0 ("red")."""
-    cat = [(t, a) for t, k, a in zip(got.tensors, got.kinds, got.axes) if k == "cat"]
-    rows = [(1 if t.dim() == 0 else t.shape[a]) if active else 0 for t, a in cat]
-    chunks = [torch.tensor(rows, dtype=torch.int64).view(torch.uint8)]
-    for t, kind, axis in zip(got.tensors, got.kinds, got.axes):
-        if kind == "cat":
-            t = t.reshape(1) if t.dim() == 0 else t.movedim(axis, 0)
-            t = t if active else t[:0]
-        chunks.append(t.detach().contiguous().reshape(-1).view(torch.uint8))
-    out = torch.zeros(sum(_aligned(c.numel()) for c in chunks), dtype=torch.uint8, device=device)
-    offset = 0
-    for c in chunks:
-        out[offset : offset + c.numel()] = c
-        offset += _aligned(c.numel())
-    return out
+class _Payload:
+    """This rank's payload: the rows of each "cat" tensor (int64), then every tensor's bytes, 16-byte aligned; kept
+    as views and written straight into the all-gather's buffer. A rank whose outputs do not count sends no rows
+    ("cat") and values that get weight 0 ("red")."""
+
+    def __init__(self, got: _Leaves, active: bool) -> None:
+        cat = [(t, a) for t, k, a in zip(got.tensors, got.kinds, got.axes) if k == "cat"]
+        rows = [(1 if t.dim() == 0 else t.shape[a]) if active else 0 for t, a in cat]
+        self.chunks = [torch.tensor(rows, dtype=torch.int64).view(torch.uint8)] if cat else []
+        for t, kind, axis in zip(got.tensors, got.kinds, got.axes):
+            if kind == "cat":
+                t = t.reshape(1) if t.dim() == 0 else t.movedim(axis, 0)
+                t = t if active else t[:0]
+            self.chunks.append(t.detach().contiguous().reshape(-1).view(torch.uint8))
+        self.size = sum(_aligned(c.numel()) for c in self.chunks)
+
+    def write(self, out: Tensor) -> None:
+        offset = 0
+        for c in self.chunks:
+            out[offset : offset + c.numel()] = c
+            offset += _aligned(c.numel())
 
 
 def _all_gather(group: RankGroup, buf: Tensor) -> list[Tensor]:
@@ -141,14 +145,13 @@ def _all_gather(group: RankGroup, buf: Tensor) -> list[Tensor]:
     return bufs
 
 
-def _exchange_bytes(group: RankGroup, header: list[int], payload: Tensor, capacity: int) -> tuple[list, list, int]:
+def _exchange_bytes(group: RankGroup, header: list[int], payload: _Payload, capacity: int) -> tuple[list, list, int]:
     """Headers and payloads of every rank (one all-gather when every payload fits ``capacity``), and the capacity
     to use next time (the same on every rank: it is computed from the headers)."""
-    fits = payload.numel() <= capacity
     first = torch.zeros(_HEADER_BYTES + capacity, dtype=torch.uint8, device=group.comm_device)
     first[:_HEADER_BYTES].view(torch.int64).copy_(torch.tensor(header, dtype=torch.int64))
-    if fits:
-        first[_HEADER_BYTES : _HEADER_BYTES + payload.numel()] = payload
+    if payload.size <= capacity:
+        payload.write(first[_HEADER_BYTES:])
     bufs = _all_gather(group, first)
     headers = torch.stack([b[:_HEADER_BYTES] for b in bufs]).view(torch.int64).tolist()
     sizes = [h[5] for h in headers]
@@ -160,10 +163,9 @@ def _exchange_bytes(group: RankGroup, header: list[int], payload: Tensor, capaci
     return headers, None, _aligned(widest * 5 // 4)
 
 
-def _second_round(group: RankGroup, payload: Tensor, sizes: Sequence[int]) -> list[Tensor]:
-    widest = max(sizes)
-    buf = torch.zeros(widest, dtype=torch.uint8, device=group.comm_device)
-    buf[: payload.numel()] = payload
+def _second_round(group: RankGroup, payload: _Payload, sizes: Sequence[int]) -> list[Tensor]:
+    buf = torch.zeros(max(sizes), dtype=torch.uint8, device=group.comm_device)
+    payload.write(buf)
     return [b[:n] for b, n in zip(_all_gather(group, buf), sizes)]
 
 
@@ -222,10 +224,10 @@ def gather_across_ranks(call: OutputsCall, out: Any, failed: bool) -> tuple[Any,
         except (TypeError, ValueError) as exc:
             error, got = exc, _Leaves(desc=[("error", f"{type(exc).__name__}: {str(exc).splitlines()[0]}")])
     active = _active(call, g.rank)
-    payload = _pack(got, active, g.comm_device) if got.tensors else torch.zeros(0, dtype=torch.uint8)
+    payload = _Payload(got, active)
     layout = fingerprint(got.desc)
     rows_field = -1 if call.local_rows is None else call.local_rows
-    header = call.check_row + [1 if error is not None else 0, layout, payload.numel(), rows_field, 0]
+    header = call.check_row + [1 if error is not None else 0, layout, payload.size, rows_field, 0]
     headers, payloads, capacity = _exchange_bytes(g, header, payload, call.capacity)
     call.verify([h[:3] for h in headers])  # a rank that could not plan or run its part: raised on every rank here
     if any(h[3] for h in headers) or len({h[4] for h in headers}) > 1:

@@ -8,6 +8,7 @@ rounds inside the ranks (a barrier before each variant), ratios per round, media
 * ``torch``: torch's DDP on this rank's 32 rows (and ``torch (again)``, the same step timed as another variant:
   its ratio to ``torch`` is the measurement's noise floor);
 * ``dpfast``: ``dpfast.DistributedDataParallel`` given the global batch (it keeps its 32 rows);
+* ``dpfast unchecked``: the same with ``check_batch=False`` (what the checks cost);
 * ``dpfast per-rank``: ``inputs="per_rank"``, given this rank's 32 rows;
 * ``torch+gather``: torch's DDP, then ``torch.distributed.nn.functional.all_gather`` of the outputs and the loss on
   the full batch;
@@ -49,6 +50,7 @@ WORLD, BATCH = 2, 64
 RATIOS = [
     ("torch (again)", "torch"),  # the noise floor: the same step, timed as another variant
     ("dpfast", "torch"),
+    ("dpfast unchecked", "torch"),
     ("dpfast per-rank", "torch"),
     ("dpfast gather", "torch+gather"),
     ("dpfast per-rank gather", "torch+gather"),
@@ -71,6 +73,7 @@ def _steps(count: bool) -> dict:
     torch_ddp, torch_gather = nn.parallel.DistributedDataParallel(_mlp()), nn.parallel.DistributedDataParallel(_mlp())
     ours = {
         "dpfast": dpfast.DistributedDataParallel(_mlp()),
+        "dpfast unchecked": dpfast.DistributedDataParallel(_mlp(), check_batch=False),
         "dpfast per-rank": dpfast.DistributedDataParallel(_mlp(), inputs="per_rank"),
         "dpfast gather": dpfast.DistributedDataParallel(_mlp(), gather_outputs=True),
         "dpfast per-rank gather": dpfast.DistributedDataParallel(_mlp(), inputs="per_rank", gather_outputs=True),
@@ -93,6 +96,7 @@ def _steps(count: bool) -> dict:
         "torch": step(torch_ddp, xs, ys),
         "torch (again)": step(torch_ddp, xs, ys),
         "dpfast": step(ours["dpfast"], x, ys),
+        "dpfast unchecked": step(ours["dpfast unchecked"], x, ys),
         "dpfast per-rank": step(ours["dpfast per-rank"], xs, ys),
         "torch+gather": step(torch_gather, xs, y, gather_by_hand=True),
         "dpfast gather": step(ours["dpfast gather"], x, y),

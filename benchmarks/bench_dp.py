@@ -16,12 +16,13 @@ medians of the per-round ratios, so they compare like with like on a noisy machi
 One step = zero the grads, one RRN call ``model(x, x, (h0, c0))``, cross-entropy on the output, ``backward()``.
 
 More sections: the fixed cost per extra replica (``--section replicas``, benchmarks/dp_replicas.py), balanced work
-with ``cost=`` (``--section balance``, benchmarks/dp_balance.py) and per-leaf and per-call overhead against the same
-work written by hand (``--section overhead``, benchmarks/dp_overhead.py).
+with ``cost=`` (``--section balance``, benchmarks/dp_balance.py), per-leaf and per-call overhead against the same
+work written by hand (``--section overhead``, benchmarks/dp_overhead.py) and ``DistributedDataParallel`` on two gloo
+ranks against torch's DDP, with per-rank loading's balance (``--section ddp``, benchmarks/dp_distributed.py).
 
 Prints tables, writes ``benchmarks/results/bench_dp.json`` and ``bench_dp.png`` (or ``--out DIR``).
 
-    python benchmarks/bench_dp.py [--device cpu|cuda] [--quick] [--section all|rrn|replicas|balance|overhead]
+    python benchmarks/bench_dp.py [--device cpu|cuda] [--quick] [--section all|rrn|replicas|balance|overhead|ddp]
         [--out DIR]
 """
 
@@ -52,6 +53,7 @@ import dpfast  # noqa: E402
 sys.path.insert(0, HERE)  # the sections' modules beside this file
 from _timing import measure, ratio  # noqa: E402
 from dp_balance import PACKED_HIDDEN, PACKED_IN, planning_time, plot_balance, print_balance, run_balance  # noqa: E402
+from dp_distributed import plot_ddp, print_ddp, run_ddp  # noqa: E402
 from dp_overhead import print_overhead, run_overhead  # noqa: E402
 from dp_replicas import print_replicas, run_replicas  # noqa: E402
 
@@ -306,10 +308,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer sizes and rounds (about 25 s on the CPU)")
     parser.add_argument(
         "--section",
-        choices=["all", "rrn", "replicas", "balance", "overhead"],
+        choices=["all", "rrn", "replicas", "balance", "overhead", "ddp"],
         default="all",
         help="rrn: the seed-000 step; replicas: fixed cost per extra replica; balance: cost=; overhead: per leaf and "
-        "per call",
+        "per call; ddp: DistributedDataParallel against torch's DDP on 2 gloo ranks",
     )
     parser.add_argument("--out", default=os.path.join(HERE, "results"), help="directory for the JSON and PNG")
     args = parser.parse_args(argv)
@@ -322,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     budget, rounds = (1.8, 5) if args.quick else (7.0, 9)
     t0 = time.perf_counter()
     notes: list[str] = []
-    rows, replica_rows, balance_rows, planning, overhead = [], [], [], None, None
+    rows, replica_rows, balance_rows, planning, overhead, ddp = [], [], [], None, None, None
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "bench_dp.json")
     if args.section in ("all", "rrn"):
@@ -348,6 +350,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.section in ("all", "overhead") and device.type == "cpu":
         overhead = run_overhead(args.quick, budget, rounds)
         print_overhead(overhead)
+    if args.section in ("all", "ddp") and device.type == "cpu":  # NCCL would need a GPU per rank
+        ddp = run_ddp(args.quick, budget, rounds)
+        print_ddp(ddp)
 
     result = {
         "benchmark": "bench_dp",
@@ -383,11 +388,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "planning": planning,
         },
         "overhead": overhead,
+        "ddp": ddp,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     _save(result, path)
     pngs = [plot(rows, str(device), os.path.join(args.out, "bench_dp.png")) if rows else None]
     pngs.append(plot_balance(balance_rows, os.path.join(args.out, "bench_dp_balance.png")) if balance_rows else None)
+    pngs.append(plot_ddp(ddp, os.path.join(args.out, "bench_dp_ddp.png")) if ddp else None)
     pngs = [p for p in pngs if p]
     print(f"wrote {path}" + "".join(f" and {p}" for p in pngs) + f" in {result['wall_s']} s")
     return 0

@@ -14,6 +14,11 @@ Every rank builds the same **global** batch (same seed); each keeps its rows by 
 full-batch ``(out, hidden, h)`` back, feeds the state into the next reasoning call, and computes the full-batch loss;
 DDP's averaged gradients are then exactly the single-process full-batch gradients, which the float64 check below
 verifies on every rank before training.
+
+``--per-rank`` instead loads per rank, as DDP users do: every rank passes only its own rows
+(``inputs="per_rank"``; here cut with ``dpfast.distributed.shard_batch``, in a real job a per-rank loader such as
+``BalancedBatchSampler``), keeps its own state between reasoning calls (no gather), and scales its local mean loss
+by ``loss_scale``: the gradients are again exactly the full-batch ones, which the check verifies too.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import dpfast
+from dpfast.distributed import shard_batch
 
 try:
     from ._common import sgd_step
@@ -55,28 +61,37 @@ def loss_of(results: list[Call], target: Tensor, output_dim: int) -> Tensor:
     return torch.stack([F.cross_entropy(o.reshape(-1, output_dim), target.reshape(-1)) for o, _, _ in results]).sum()
 
 
-def check(cfg: Config, device: torch.device, batch: int) -> float:
-    """Float64, eval mode (dropout off): gathered outputs and every gradient vs the unwrapped model on the whole
-    batch, over ``cfg.reasoning_steps`` calls feeding the gathered state back. Returns the worst difference."""
-    torch.manual_seed(0)
-    plain = build_model(cfg, device).double().eval()
-    wrapped = copy.deepcopy(plain)
-    ddp = dpfast.DistributedDataParallel(
-        wrapped,
+def wrap(model: torch.nn.Module, device: torch.device, per_rank: bool) -> dpfast.DistributedDataParallel:
+    """The one line: the RRN under dpfast.DistributedDataParallel with the specs of DataParallel."""
+    return dpfast.DistributedDataParallel(
+        model,
         device_ids=[device.index] if device.type == "cuda" else None,
+        inputs="per_rank" if per_rank else "global",
         in_dims=IN_DIMS,
         out_dims=OUT_DIMS,
-        gather_outputs=True,
+        gather_outputs=not per_rank,
     )
+
+
+def check(cfg: Config, device: torch.device, batch: int, per_rank: bool = False) -> float:
+    """Float64, eval mode (dropout off): outputs and every gradient vs the unwrapped model on the whole batch, over
+    ``cfg.reasoning_steps`` calls feeding the state back (gathered; with ``per_rank`` this rank's own). Returns the
+    worst difference."""
+    torch.manual_seed(0)
+    plain = build_model(cfg, device).double().eval()
+    ddp = wrap(copy.deepcopy(plain), device, per_rank)
     gen = torch.Generator().manual_seed(1234)
     x, target = make_batch(cfg, gen, device, batch=batch)
     x = x.double()
     h, c = (torch.randn(t.shape, generator=gen, dtype=torch.float64).to(device) for t in plain.reset_g(batch))
     h0 = (h, c)
-    got = reason(ddp, x, h0, cfg.reasoning_steps)
     want = reason(plain, x, h0, cfg.reasoning_steps)
-    loss_of(got, target, cfg.output_dim).backward()
     loss_of(want, target, cfg.output_dim).backward()
+    if per_rank:  # this rank's rows of everything, as a per-rank loader would give them
+        x, h0, target = shard_batch((x, h0, target), in_dims=(0, 1, 0))
+        want = [shard_batch(w, in_dims=OUT_DIMS) for w in want]
+    got = reason(ddp, x, h0, cfg.reasoning_steps)
+    (loss_of(got, target, cfg.output_dim) * (ddp.loss_scale if per_rank else 1.0)).backward()
     pairs = [
         (a, b)
         for g, w in zip(got, want)
@@ -94,36 +109,40 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=10, help="global batch size (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=5, help="training steps (default: %(default)s)")
+    parser.add_argument("--per-rank", action="store_true", help="every rank loads only its own rows")
     args = parser.parse_args()
     device = setup()
     rank, world = dist.get_rank(), dist.get_world_size()
     say = print if rank == 0 else (lambda *a, **k: None)
     cfg = Config(batch=args.batch, train_steps=args.steps)
+    mode = "per-rank rows" if args.per_rank else "the global batch on every rank"
     say(f"[ddp_rrn] {world} rank(s), backend {dist.get_backend()}, device {device.type}; global batch {cfg.batch}")
+    say(f"  feeding {mode}")
 
-    # 1. exactness: the global batch as given, and one smaller than the world size (some ranks get no rows)
-    for b in sorted({cfg.batch, max(1, world - 1)}, reverse=True):
-        worst = check(cfg, device, b)
+    # 1. exactness: the global batch as given, and (global batch only) one smaller than the world size, so that
+    #    some ranks get no rows (the RRN refuses an empty batch: those run a stand-in sample that counts as nothing)
+    sizes = [cfg.batch] if args.per_rank else sorted({cfg.batch, max(1, world - 1)}, reverse=True)
+    for b in sizes:
+        worst = check(cfg, device, b, args.per_rank)
         say(f"  check B={b}: outputs and gradients == single-process full batch (float64), max |diff| {worst:.1e}")
 
-    # 2. training, as the seed does: the same global batch on every rank, the state fed back each call
+    # 2. training, as the seed does: the state fed back each call
     torch.manual_seed(0)
     model = build_model(cfg, device)
-    ddp = dpfast.DistributedDataParallel(
-        model,
-        device_ids=[device.index] if device.type == "cuda" else None,
-        in_dims=IN_DIMS,
-        out_dims=OUT_DIMS,
-        gather_outputs=True,
-    )
+    ddp = wrap(model, device, args.per_rank)
     x, target = make_batch(cfg, torch.Generator().manual_seed(0), device)
+    if args.per_rank:
+        x, target = shard_batch((x, target))  # this rank's rows only
     say(f"  training {cfg.train_steps} steps x {cfg.reasoning_steps} RRN calls")
     losses = []
     for step in range(cfg.train_steps):
         results = reason(ddp, x, model.reset_g(x.size(0)), cfg.reasoning_steps)
-        loss = loss_of(results, target, cfg.output_dim)  # the full-batch loss, the same on every rank
-        loss.backward()
+        loss = loss_of(results, target, cfg.output_dim)  # gathered: the full-batch loss, the same on every rank
+        (loss * ddp.loss_scale if args.per_rank else loss).backward()
         sgd_step(model, cfg.lr)
+        if args.per_rank:  # for the report: the full-batch loss, from every rank's share of it
+            loss = loss.detach() * ddp.loss_scale / world
+            dist.all_reduce(loss)
         losses.append(loss.item())
         share = ddp.share
         assert share is not None  # set by the forward above

@@ -1,64 +1,42 @@
 """dpfast.DistributedDataParallel on 2 and 3 gloo ranks (CPU processes), against the single-process full-batch run.
 
-Process spawn is slow on this box, so each world size spawns **one** group that runs every scenario in turn and
-writes one result per scenario and rank (``None`` or the failure text); the tests below only read those results.
-Every collective has a 30 s gloo timeout and the whole group a wall-clock limit, so a hang fails instead of blocking,
-and the processes are killed in any case.
+The scenarios run inside one spawned group per world size (tests/ddp_harness.py); the tests below read their results.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import json
-import os
-import socket
-import tempfile
 import time
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 import dpfast
 import dpfast.plan.splits
-from dpfast.distributed import DistributedBatchError, shard_batch, shard_dataset, shard_range
+from dpfast.distributed import shard_batch, shard_dataset, shard_range
 from dpfast.run.rendezvous import solo_context
 
-from dp_testing import DT, MLP, Contrastive, Losses
+from ddp_harness import (
+    RRN,
+    GroupRuns,
+    assert_tree_close,
+    expect_batch_error,
+    grads,
+    losses_loss,
+    rrn_inputs,
+    rrn_loss,
+    xy,
+)
+from dp_testing import DT, Contrastive, Losses
 
-GROUP_TIMEOUT_S = 150  # the whole spawned group; a healthy run takes a few seconds
 BATCHES = {2: (5, 1), 3: (7, 2)}  # not divisible by the world size, and smaller than it
 
 
 # ---- models --------------------------------------------------------------------------------------------------------
-
-
-class RRN(nn.Module):
-    """Seed 000's relational recurrent network, small: messages between N nodes, an LSTM(batch_first=True) whose
-    state is (num_layers, B, H), i.e. batch on axis 1 (in_dims={'h': 1}, out_dims=(0, 0, 1))."""
-
-    def __init__(self, d_in=3, hidden=5, message=4, out=2, layers=2):
-        super().__init__()
-        self.f = MLP(2 * hidden, message, hidden=8)
-        self.g_mlp = MLP(d_in + message, 6, hidden=8)
-        self.g = nn.LSTM(6, hidden, num_layers=layers, batch_first=True)
-        self.o = MLP(hidden, out, hidden=8)
-        self.message = message
-
-    def forward(self, x, hidden, h):
-        b, n, d = hidden.shape
-        hi = hidden.repeat(1, n, 1)
-        hj = hidden.unsqueeze(2).repeat(1, 1, n, 1).view(b, -1, d)
-        messages = self.f(torch.cat((hi, hj), dim=2)).view(b, n, n, self.message).sum(dim=2)
-        out, h = self.g(self.g_mlp(torch.cat((x, messages), dim=2)), h)
-        hidden = out.clone()
-        return self.o(hidden), hidden, h
 
 
 class ByLength(nn.Module):
@@ -76,7 +54,7 @@ class ByLength(nn.Module):
 SORTED_LENGTHS = [9.0, 5.0, 3.0, 2.0, 1.0, 1.0, 1.0]  # sorted, as packed batches are: the count split is lopsided
 
 
-def _lengths_xy():
+def _lengthsxy():
     g = torch.Generator().manual_seed(300)
     return torch.randn(len(SORTED_LENGTHS), 4, dtype=DT, generator=g), torch.tensor(SORTED_LENGTHS, dtype=DT)
 
@@ -88,47 +66,6 @@ class NoEmpty(Losses):
         if x.shape[0] == 0:
             raise RuntimeError("NoEmpty cannot run on an empty batch")
         return super().forward(x, y)
-
-
-def _rrn_inputs(b, n=3, layers=2, hidden=5):
-    g = torch.Generator().manual_seed(100 + b)
-    x = torch.randn(b, n, 3, dtype=DT, generator=g)
-    hid = torch.randn(b, n, hidden, dtype=DT, generator=g)
-    h = (torch.randn(layers, b, hidden, dtype=DT, generator=g), torch.randn(layers, b, hidden, dtype=DT, generator=g))
-    return x, hid, h
-
-
-def _rrn_loss(outputs):
-    out, hidden, (hn, cn) = outputs
-    g = torch.Generator().manual_seed(7)
-    w_out = torch.randn(out.shape[1:], dtype=DT, generator=g)
-    w_h = torch.randn(hn.shape[-1], dtype=DT, generator=g)
-    return (out * w_out).sum() + (hidden**2).mean() + (hn * w_h).sum() + cn.pow(2).sum()
-
-
-def _xy(b):
-    g = torch.Generator().manual_seed(200 + b)
-    return torch.randn(b, 4, dtype=DT, generator=g), torch.randn(b, 2, dtype=DT, generator=g)
-
-
-def _losses_loss(outputs):
-    mse, sse, pred = outputs
-    return mse + 0.1 * sse + pred.pow(2).mean()
-
-
-def _grads(module):
-    return {n: (p.grad.clone() if p.grad is not None else None) for n, p in module.named_parameters()}
-
-
-def _assert_tree_close(actual, expected, what):
-    a_leaves, a_spec = torch.utils._pytree.tree_flatten(actual)
-    e_leaves, e_spec = torch.utils._pytree.tree_flatten(expected)
-    assert a_spec == e_spec, f"{what}: structure {a_spec} != {e_spec}"
-    for i, (a, e) in enumerate(zip(a_leaves, e_leaves)):
-        if isinstance(e, torch.Tensor):
-            torch.testing.assert_close(a, e, msg=lambda m, i=i: f"{what} leaf {i}: {m}")
-        else:
-            assert a == pytest.approx(e), f"{what} leaf {i}: {a} != {e}"
 
 
 def _leaf_copies(inputs):
@@ -157,14 +94,14 @@ def _compare_with_full_batch(factory, inputs, loss_fn, ddp_kwargs, steps=1):
     with solo_context():  # the reference is one process: dpfast's collectives in it must not reach the ranks
         expected = run(ref, in_ref)
     outputs = run(ddp, in_ddp)
-    _assert_tree_close(outputs, expected, "gathered outputs")
+    assert_tree_close(outputs, expected, "gathered outputs")
     sum(loss_fn(o) for o in expected).backward()
     sum(loss_fn(o) for o in outputs).backward()
-    got, want = _grads(ddp.module), _grads(ref)
+    got, want = grads(ddp.module), grads(ref)
     for name in want:
         assert got[name] is not None, f"{name}: no gradient"
         torch.testing.assert_close(got[name], want[name], msg=lambda m, name=name: f"grad of {name}: {m}")
-    _assert_tree_close(
+    assert_tree_close(
         torch.utils._pytree.tree_map(lambda t: t.grad, in_ddp),
         torch.utils._pytree.tree_map(lambda t: t.grad, in_ref),
         "input gradients",
@@ -181,21 +118,21 @@ def _scenarios(world):
         out[f"rrn_B{b}"] = functools.partial(
             _compare_with_full_batch,
             RRN,
-            _rrn_inputs(b),
-            _rrn_loss,
+            rrn_inputs(b),
+            rrn_loss,
             dict(in_dims={"h": 1}, out_dims=(0, 0, 1)),
             steps=2,
         )
         out[f"losses_B{b}"] = functools.partial(
-            _compare_with_full_batch, Losses, _xy(b), _losses_loss, dict(out_dims=("mean", "sum", 0))
+            _compare_with_full_batch, Losses, xy(b), losses_loss, dict(out_dims=("mean", "sum", 0))
         )
         out[f"local_loss_scale_B{b}"] = functools.partial(_local_loss_scale, b)
     out["ghost_when_module_refuses_empty"] = functools.partial(
-        _compare_with_full_batch, NoEmpty, _xy(world - 1), _losses_loss, dict(out_dims=("mean", "sum", 0))
+        _compare_with_full_batch, NoEmpty, xy(world - 1), losses_loss, dict(out_dims=("mean", "sum", 0))
     )
     weights = [1] + [0] + [2] * (world - 2)  # rank 1 gets no rows at all
     out["chunk_sizes_zero_weight"] = functools.partial(
-        _compare_with_full_batch, Losses, _xy(5), _losses_loss, dict(out_dims=("mean", "sum", 0), chunk_sizes=weights)
+        _compare_with_full_batch, Losses, xy(5), losses_loss, dict(out_dims=("mean", "sum", 0), chunk_sizes=weights)
     )
     out["collectives_contrastive"] = functools.partial(
         _compare_with_full_batch, Contrastive, _views(7), lambda loss: loss, dict(out_dims="sum")
@@ -296,7 +233,7 @@ def _buffers_without_check_batch():
     ddp = dpfast.DistributedDataParallel(_Seen().to(DT), chunk_sizes=[0] + [1] * (world - 1), check_batch=False)
     ddp(torch.randn(0 if rank == 0 else 2, 2, dtype=DT)).sum().backward()  # rank 0: nothing to split; the others do
     ddp(torch.randn(2, 2, dtype=DT)).sum().backward()  # rank 1 had rows first above: a source only it would pick
-    assert ddp._buffer_source == 0
+    assert ddp._checks.buffer_source == 0
     dist.barrier()
 
 
@@ -305,12 +242,12 @@ def _cost_balanced_split():
     rank runs are shard_batch's with the same cost."""
     world = dist.get_world_size()
     ddp = _compare_with_full_batch(
-        ByLength, _lengths_xy(), lambda o: o[0] + o[1].sum(), dict(out_dims=("mean", 0), cost="lengths")
+        ByLength, _lengthsxy(), lambda o: o[0] + o[1].sum(), dict(out_dims=("mean", 0), cost="lengths")
     )
     prefix = [0] + torch.tensor(SORTED_LENGTHS).cumsum(0).long().tolist()
     assert list(ddp.share.sizes) == dpfast.plan.splits.balanced_split(prefix, world)
     assert list(ddp.share.sizes) != dpfast.plan.splits.split_sizes(len(SORTED_LENGTHS), world)
-    x, lengths = _lengths_xy()
+    x, lengths = _lengthsxy()
     part = shard_batch({"x": x, "lengths": lengths}, cost="batch['lengths']")
     torch.testing.assert_close(part["x"], x[ddp.share.start : ddp.share.stop])
 
@@ -319,11 +256,11 @@ def _cost_values_differ_across_ranks():
     """Same shapes, other cost values on one rank: the ranks would cut different rows; every rank raises instead."""
     rank = dist.get_rank()
     ddp = dpfast.DistributedDataParallel(ByLength().to(DT), out_dims=("mean", 0), cost="lengths", gather_outputs=True)
-    x, lengths = _lengths_xy()
+    x, lengths = _lengthsxy()
     if rank == 1:
         lengths = lengths.flip(0)
     _expect_batch_error(ddp, x, lengths, contains=("different splits", "by cost"))
-    out = ddp(*_lengths_xy())  # the group is still usable
+    out = ddp(*_lengthsxy())  # the group is still usable
     (out[0] + out[1].sum()).backward()
 
 
@@ -333,7 +270,7 @@ def _local_loss_scale(b):
     torch.manual_seed(0)
     module = nn.Linear(4, 2).to(DT)
     ref = copy.deepcopy(module)
-    x, y = _xy(b)
+    x, y = xy(b)
     F.mse_loss(ref(x), y).backward()
     ddp = dpfast.DistributedDataParallel(module)
     pred = ddp(x)
@@ -348,41 +285,32 @@ def _local_loss_scale(b):
 def _no_tensor_to_split():
     """Nothing to split (every input has spec None): every rank runs it whole, rank 0's outputs count."""
     _compare_with_full_batch(
-        Losses, _xy(3), _losses_loss, dict(in_dims={"x": None, "y": None}, out_dims=("mean", "sum", 0))
+        Losses, xy(3), losses_loss, dict(in_dims={"x": None, "y": None}, out_dims=("mean", "sum", 0))
     )
 
 
 def _expect_batch_error(ddp, *inputs, contains=()):
-    try:
-        ddp(*inputs)
-    except DistributedBatchError as exc:
-        msg = str(exc)
-        for rank in range(dist.get_world_size()):
-            assert f"rank {rank}" in msg, msg
-        for c in contains:
-            assert c in msg, msg
-        return msg
-    raise AssertionError("no DistributedBatchError")
+    return expect_batch_error(lambda: ddp(*inputs), contains)
 
 
 def _mismatched_batch():
     rank = dist.get_rank()
     ddp = dpfast.DistributedDataParallel(Losses().to(DT), out_dims=("mean", "sum", 0), gather_outputs=True)
-    _expect_batch_error(ddp, *_xy(4 + rank), contains=("B differs across ranks",))
+    _expect_batch_error(ddp, *xy(4 + rank), contains=("B differs across ranks",))
     # same B, another feature size on the last rank
-    x, y = _xy(4)
+    x, y = xy(4)
     if rank == dist.get_world_size() - 1:
         y = torch.randn(4, 3, dtype=DT)
     _expect_batch_error(ddp, x, y, contains=("same B = 4",))
     # the group is still usable afterwards
-    out = ddp(*_xy(4))
-    _losses_loss(out).backward()
+    out = ddp(*xy(4))
+    losses_loss(out).backward()
 
 
 def _one_rank_bad_inputs():
     rank = dist.get_rank()
     ddp = dpfast.DistributedDataParallel(RRN().to(DT), in_dims={"h": 1}, out_dims=(0, 0, 1), gather_outputs=True)
-    x, hid, h = _rrn_inputs(5)
+    x, hid, h = rrn_inputs(5)
     if rank == 1:
         h = (h[0][:, :4], h[1])  # a ScatterError on rank 1 only: every rank must raise, none may hang
     msg = _expect_batch_error(ddp, x, hid, h, contains=("rank 1 could not split its inputs",))
@@ -395,7 +323,7 @@ def _one_rank_bad_structure():
     tensor): that rank raised TypeError at once while the others waited in the batch agreement until the timeout."""
     rank = dist.get_rank()
     ddp = dpfast.DistributedDataParallel(RRN().to(DT), in_dims={"h": (1, 1)}, out_dims=(0, 0, 1), gather_outputs=True)
-    x, hid, h = _rrn_inputs(5)
+    x, hid, h = rrn_inputs(5)
     if rank == 1:
         h = h[0]
     t0 = time.monotonic()
@@ -421,31 +349,32 @@ def _one_rank_cannot_gather():
     output exchange, and the other ranks waited in it until the timeout."""
     world = dist.get_world_size()
     ddp = dpfast.DistributedDataParallel(Squeezed().to(DT), out_dims=1, gather_outputs=True)
-    x, _ = _xy(2 * world - 1)  # the last rank gets one row
+    x, _ = xy(2 * world - 1)  # the last rank gets one row
     t0 = time.monotonic()
     with pytest.raises(ValueError, match=f"rank {world - 1} could not gather its outputs") as e:
         ddp(x)
     assert time.monotonic() - t0 < 20, "a rank waited for a collective timeout"
     for rank in range(world):
         assert f"rank {rank}" in str(e.value)
-    out = dpfast.DistributedDataParallel(Squeezed().to(DT), out_dims=0, gather_outputs=True)(_xy(2 * world)[0])
+    out = dpfast.DistributedDataParallel(Squeezed().to(DT), out_dims=0, gather_outputs=True)(xy(2 * world)[0])
     assert out.shape == (2 * world, 2)  # the group is still usable
 
 
 def _mismatched_values():
+    """Without gather_outputs the check rides in the first gradient bucket: the mismatch raises from backward()."""
     rank = dist.get_rank()
     ddp = dpfast.DistributedDataParallel(Losses().to(DT), out_dims=("mean", "sum", 0), check_batch="values")
-    x, y = _xy(4)
-    ddp(x, y)  # same values: fine
+    x, y = xy(4)
+    ddp(x, y)[0].backward()  # same values: fine
     if rank == 0:
         x = x + 1
-    _expect_batch_error(ddp, x, y, contains=("values",))
+    expect_batch_error(lambda: ddp(x, y)[0].backward(), contains=("`x values`",))
 
 
 def _shard_helpers():
     rank, world = dist.get_rank(), dist.get_world_size()
     b = 7
-    x, hid, h = _rrn_inputs(b)
+    x, hid, h = rrn_inputs(b)
     part = shard_batch((x, hid, h), in_dims=(0, 0, 1))  # rank/world from the process group
     r = shard_range(b)
     assert part[0].shape[0] == len(r)
@@ -461,7 +390,7 @@ def _shard_helpers():
 
     ddp = dpfast.DistributedDataParallel(Spy().to(DT), in_dims={"h": 1}, out_dims=(0, 0, 1))
     ddp(x, hid, h)
-    _assert_tree_close(seen["args"], part, "module inputs vs shard_batch")
+    assert_tree_close(seen["args"], part, "module inputs vs shard_batch")
     assert shard_range(10, rank, world, chunk_sizes=[0] + [1] * (world - 1)) == (
         range(0) if rank == 0 else shard_range(10, rank - 1, world - 1)
     )
@@ -471,81 +400,9 @@ def _shard_helpers():
 
 # ---- the spawned group -------------------------------------------------------------------------------------------
 
-
-def _worker(rank, world, port, outdir):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
-    results = {}
-    try:
-        for name, fn in _scenarios(world).items():
-            try:
-                fn()
-                results[name] = None
-            except Exception:
-                results[name] = traceback.format_exc()
-            with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:  # written as we go: a hang still reports
-                json.dump(results, f)
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@functools.cache
-def _run_group(world):
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as outdir:
-        port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world, port, outdir), daemon=True) for r in range(world)]
-        try:
-            for p in procs:
-                p.start()
-            t0 = time.monotonic()
-            for p in procs:
-                p.join(max(0.0, GROUP_TIMEOUT_S - (time.monotonic() - t0)))
-            hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
-        results = {}
-        for r in range(world):
-            path = os.path.join(outdir, f"rank{r}.json")
-            if os.path.exists(path):
-                with open(path) as f:
-                    results[r] = json.load(f)
-            else:
-                results[r] = {}
-        codes = [p.exitcode for p in procs]
-    return results, hung, codes
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_group_ran_every_scenario(world):
-    results, hung, codes = _run_group(world)
-    assert not hung, f"ranks {hung} hung; results so far: {results}"
-    assert codes == [0] * world, f"exit codes {codes}"
-    for r in range(world):
-        assert set(results[r]) == set(_scenarios(world)), f"rank {r} ran {sorted(results[r])}"
-
-
-def _scenario_ids():
-    return [(w, name) for w in (2, 3) for name in _scenarios(w)]
-
-
-@pytest.mark.parametrize("world, name", _scenario_ids(), ids=[f"{w}ranks-{n}" for w, n in _scenario_ids()])
-def test_scenario(world, name):
-    results, _, _ = _run_group(world)
-    failures = {r: results[r].get(name, "did not run (see test_group_ran_every_scenario)") for r in range(world)}
-    failures = {r: f for r, f in failures.items() if f is not None}
-    assert not failures, "\n".join(f"--- rank {r} ---\n{f}" for r, f in failures.items())
+RUNS = GroupRuns(_scenarios, worlds=(2, 3))
+test_group_ran_every_scenario = RUNS.group_test()
+test_scenario = RUNS.scenario_test()
 
 
 # ---- no process group needed -------------------------------------------------------------------------------------
@@ -560,7 +417,7 @@ def test_shard_range_partitions_like_data_parallel():
 
 
 def test_shard_batch_specs_and_errors():
-    x, hid, h = _rrn_inputs(5)
+    x, hid, h = rrn_inputs(5)
     parts = [
         shard_batch({"x": x, "h": h, "mask": torch.ones(3, 3)}, r, 3, in_dims={"h": 1, "mask": None}) for r in range(3)
     ]

@@ -144,4 +144,4 @@ def test_ddp_gather_outputs_says_it_cannot_all_gather_items():
     from dpfast.distributed.outputs import _sort_leaves
 
     with pytest.raises(TypeError, match=r"`output` has out_dims 'items', which gather_outputs cannot all-gather"):
-        _sort_leaves(_seqs([1, 2]), "items", 0, True, True, 1.0)
+        _sort_leaves(_seqs([1, 2]), "items", 0, True)

@@ -1,15 +1,17 @@
-"""Before each forward, every rank checks that all ranks were given the same global batch.
+"""What the ranks must agree on, and the error every rank raises when they do not.
 
-One small all-gather of ``(status, B, fingerprint, split)``: the fingerprint hashes the argument structure and the
-shape/dtype of every tensor to split (with ``check_batch="values"`` also their bytes), ``split`` the per-rank sizes
-(with ``cost`` they depend on the cost values, which shapes alone do not pin down). A disagreement, or a rank
-that could not plan its call, raises :class:`DistributedBatchError` on **every** rank, with a line per rank,
-instead of leaving the others waiting in a later collective.
+Each forward is described by a :class:`StepRecord`: a status (did this rank plan and run its share?) and a few
+named items (``B``, the split, each argument's shape and dtype...) whose hash is the step's fingerprint. The checks
+(:mod:`dpfast.distributed.checks`) compare one row per rank, ``(status, fingerprint, forwards)``; when the rows
+differ, every rank calls :func:`raise_disagreement`, which gathers the ranks' records once and raises
+:class:`DistributedBatchError` on every rank with a line per rank that shows only what differs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -19,103 +21,226 @@ from torch import Tensor
 from ..plan.call_plan import CallPlan
 from ..plan.errors import ScatterError
 from ..plan.render import shape_text
-from .exchanges import RankGroup, fingerprint
+
+NAME = "dpfast.DistributedDataParallel"
+
+# A step's status; the largest over the steps of one check is what that check reports.
+OK = 0
+CANNOT_PLAN = 1  # planning the call raised (ScatterError, a spec that does not fit, bad costs)
+EMPTY_REFUSED = 2  # no rows, and the module refused an empty batch and a stand-in sample
+GHOST_COUNTED = 3  # no rows, the module refused an empty batch, and the stand-in sample reached a collective
+CANNOT_GATHER = 4  # gather_outputs could not sort this rank's outputs
 
 
 class DistributedBatchError(ScatterError):
-    """The ranks were not given the same global batch (or one rank's inputs are bad); raised on every rank."""
+    """The ranks disagree (on the batch, the outputs to gather, or the wrapper's own settings), or one rank cannot
+    run its part of the step; raised on every rank, with a line per rank saying what differs."""
 
     __module__ = "dpfast"  # printed and pickled as dpfast.DistributedBatchError, the name users catch it by
 
 
-def _local_summary(plan: CallPlan | None, error: BaseException | None) -> str:
-    if error is not None or plan is None:
-        first = str(error).splitlines()[0] if str(error) else type(error).__name__
-        return f"{type(error).__name__}: {first}"
-    parts = [f"B = {plan.batch_size if plan.batch_size is not None else '-'}"]
-    if plan.balance is not None:
-        parts.append(f"split {plan.sizes} by cost")
-    parts += [f"{m.leaf.path} {shape_text(m.leaf.value)}" for m in plan.mapped]
-    return ", ".join(parts)
+def fingerprint(items: Any) -> int:
+    """A 64-bit hash of ``repr(items)``, the same in every process (Python's own ``hash`` of a str is not)."""
+    h = hashlib.blake2b(repr(items).encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little", signed=True)
 
 
-def _fingerprint_items(plan: CallPlan | None, signature_text: str, hash_values: bool) -> list[Any]:
-    items: list[Any] = [signature_text]
+@dataclasses.dataclass
+class StepRecord:
+    """One rank's forward as the checks see it: ``items`` (name -> text) are compared across ranks."""
+
+    status: int
+    error: BaseException | None
+    items: dict[str, str]
+    _fp: int | None = None
+
+    @property
+    def fp(self) -> int:
+        if self._fp is None:  # computed when a check needs it (never with check_batch=False)
+            self._fp = fingerprint((self.status, list(self.items.items())))
+        return self._fp
+
+    def fail(self, status: int, error: BaseException) -> None:
+        """This rank could not run its part after all (e.g. its module refused its empty share)."""
+        self.status, self.error, self._fp = max(self.status, status), error, None
+
+    def error_line(self) -> str:
+        e = self.error
+        if e is None:
+            return ""
+        first = str(e).splitlines()[0] if str(e) else ""
+        return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+def _leaf_text(leaf: Any, mapped: Any, per_rank: bool) -> str:
+    v = leaf.value
+    if mapped is None:
+        kind = f"tensor(requires_grad={v.requires_grad})" if isinstance(v, Tensor) else type(v).__name__
+        return f"spec {leaf.spec!r}: {kind}"
+    if mapped.is_items:
+        return f"items: {type(v).__name__}" if per_rank else f"items: {type(v).__name__}[{len(v)}]"
+    data = v.data if mapped.is_packed else v
+    grad = ", requires_grad" if data.requires_grad else ""
+    kind = "packed " if mapped.is_packed else ""
+    if per_rank:  # each rank's own rows: sizes may differ, the rest must not
+        return f"{kind}{data.dim()}-dim {data.dtype}, batch axis {leaf.spec!r}{grad}"
+    return f"{kind}{shape_text(v)} {data.dtype}{grad}"
+
+
+def _values_hash(leaf: Any, mapped: Any) -> str:
+    v = leaf.value
+    if mapped.is_items:
+        return fingerprint(v).to_bytes(8, "little", signed=True).hex()
+    t = (v.data if mapped.is_packed else v).detach().contiguous().cpu()
+    return hashlib.blake2b(t.reshape(-1).view(torch.uint8).numpy().tobytes(), digest_size=8).hexdigest()
+
+
+def describe_step(plan: CallPlan | None, error: BaseException | None, per_rank: bool, hash_values: bool) -> StepRecord:
+    """The record of one forward: its status and what the ranks must agree on (in per-rank mode each rank's own
+    rows: the structure, dtypes and batch axes, not the sizes)."""
     if plan is None:
-        return items
+        return StepRecord(CANNOT_PLAN, error, {})
     tree = plan.tree
-    items += [tree.n_args, tree.kw_keys]
+    items: dict[str, str] = {"arguments": f"{tree.n_args} positional, keywords {list(tree.kw_keys)}"}
+    if not per_rank:
+        items["B"] = "-" if plan.batch_size is None else str(plan.batch_size)
+        items["split"] = f"{list(plan.sizes)}{' by cost' if plan.balance is not None else ''}"
     by_leaf = {id(m.leaf): m for m in plan.mapped}
     for leaf in tree.leaves:
-        v = leaf.value
         m = by_leaf.get(id(leaf))
-        if m is None:
-            kind = f"tensor(requires_grad={v.requires_grad})" if isinstance(v, Tensor) else type(v).__name__
-            items.append((leaf.path, repr(leaf.spec), kind))
-            continue
-        if m.is_packed:
-            items.append((leaf.path, "packed", m.size, str(v.data.dtype), tuple(v.data.shape[1:])))
-        else:
-            items.append((leaf.path, repr(leaf.spec), tuple(v.shape), str(v.dtype), v.requires_grad))
-        if hash_values:
-            t = (v.data if m.is_packed else v).detach().contiguous().cpu()
-            items.append(hashlib.blake2b(t.reshape(-1).view(torch.uint8).numpy().tobytes(), digest_size=8).hexdigest())
-    return items
+        items[leaf.path] = _leaf_text(leaf, m, per_rank)
+        if hash_values and m is not None:
+            items[f"{leaf.path} values"] = _values_hash(leaf, m)
+    return StepRecord(OK, None, items)
 
 
-def agree_on_batch(
-    group: RankGroup, plan: CallPlan | None, error: BaseException | None, signature_text: str, hash_values: bool
-) -> None:
-    """Return when every rank planned the same batch; raise :class:`DistributedBatchError` on every rank if not.
-
-    ``plan`` is this rank's plan of the call, or ``None`` with the ``error`` that planning raised.
-    """
-    status = 1 if error is not None else 0
-    batch = plan.batch_size if plan is not None else None
-    items = _fingerprint_items(plan, signature_text, hash_values)
-    split = fingerprint(plan.sizes) if plan is not None else 0
-    mine = torch.tensor(
-        [status, -1 if batch is None else batch, fingerprint(items), split], dtype=torch.int64, device=group.comm_device
-    )
-    allv = [torch.empty_like(mine) for _ in range(group.world)]
-    dist.all_gather(allv, mine, group=group.process_group)
-    rows = [tuple(int(x) for x in t.tolist()) for t in allv]
-    if all(row == rows[0] for row in rows) and status == 0:
-        return
-    # Everyone saw the same rows, so everyone is here: one more collective for a readable message.
-    summaries: list[Any] = [None] * group.world
-    dist.all_gather_object(summaries, _local_summary(plan, error), group=group.process_group)
-    lines = [f"dpfast.DistributedDataParallel: {_headline(rows, hash_values)}"]
-    for r, s in enumerate(summaries):
-        lines.append(f"  rank {r}{' (this rank)' if r == group.rank else ''}: {s}")
-    msg = "\n".join(lines)
-    if error is not None:
-        raise DistributedBatchError(msg + "\n" + str(error)) from error
-    raise DistributedBatchError(msg)
+def chain_row(records: Sequence[StepRecord]) -> list[int]:
+    """``(status, fingerprint, forwards)`` of the forwards since the last check: what one rank contributes."""
+    status = max((r.status for r in records), default=OK)
+    return [status, fingerprint([r.fp for r in records]), len(records)]
 
 
-def _headline(rows: list[tuple[int, ...]], hash_values: bool) -> str:
-    bad_local = [r for r, row in enumerate(rows) if row[0]]
-    if bad_local:
+def rows_agree(rows: Sequence[Sequence[int]]) -> bool:
+    return rows[0][0] == OK and all(list(row) == list(rows[0]) for row in rows)
+
+
+def agree_now(group: Any, comm_device: torch.device, records: Sequence[StepRecord]) -> None:
+    """A blocking check (one small all-gather): return when every rank's records match, else raise on every rank.
+    Used for the first call and where no collective of the step can carry the check."""
+    world = dist.get_world_size(group)
+    mine = torch.tensor(chain_row(records), dtype=torch.int64, device=comm_device)
+    rows_t = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(rows_t, mine, group=group)
+    rows = [t.tolist() for t in rows_t]
+    if not rows_agree(rows):
+        raise_disagreement(group, records, rows)
+
+
+def raise_disagreement(group: Any, records: Sequence[StepRecord], rows: Sequence[Sequence[int]]) -> None:
+    """Every rank saw the same ``rows``, so every rank is here: one more collective for a readable message."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    mine = [(r.status, r.error_line(), r.items) for r in records]
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    lines = [f"{NAME}: {_headline(everyone, rows)}"]
+    lines += _rank_lines(everyone, rank)
+    local = next((r.error for r in records if r.error is not None), None)
+    if local is not None and str(local):
+        lines.append(str(local))  # this rank's own error in full (a ScatterError's table and suggested fix)
+    raise DistributedBatchError("\n".join(lines)) from local
+
+
+_STATUS_HEADLINES = {
+    CANNOT_PLAN: "could not split {its} inputs, so no rank runs this step",
+    EMPTY_REFUSED: (
+        "{has} no rows of this batch, and {its} module could not run without them (it refused an empty batch, and "
+        "with the global batch a stand-in sample too); make the module accept an empty batch (e.g. "
+        "x.reshape(len(x), -1) instead of x.view(B, -1)), or give every rank rows (B >= world size, no "
+        "chunk_sizes weight of 0)"
+    ),
+    GHOST_COUNTED: (
+        "{has} no rows of this batch, and {its} module refused an empty batch; the stand-in sample it ran instead "
+        "reached a collective (dpfast.nn.SyncBatchNorm, dpfast.all_gather...), where it would change the other "
+        "ranks' numbers, so no rank uses this step; make the module accept an empty batch (e.g. "
+        "x.reshape(len(x), -1) instead of x.view(B, -1)), or give every rank rows (B >= world size, no "
+        "chunk_sizes weight of 0)"
+    ),
+    CANNOT_GATHER: "could not gather {its} outputs, so no rank gathers them",
+}
+
+
+def _headline(everyone: Sequence[Any], rows: Sequence[Sequence[int]]) -> str:
+    worst = max(row[0] for row in rows)
+    if worst != OK:
+        bad = [r for r, row in enumerate(rows) if row[0] == worst]
+        many = len(bad) > 1
+        who = f"rank{'s' if many else ''} {', '.join(map(str, bad))} "
+        return who + _STATUS_HEADLINES[worst].format(its="their" if many else "its", has="have" if many else "has")
+    counts = [row[2] for row in rows]
+    if len(set(counts)) > 1:
         return (
-            f"rank{'s' if len(bad_local) > 1 else ''} {', '.join(map(str, bad_local))} could not split "
-            "its inputs, so no rank runs this step"
+            "the ranks called forward a different number of times since their last check "
+            f"({', '.join(f'rank {r}: {n}' for r, n in enumerate(counts))}); every rank must call forward (and "
+            "backward) the same number of times"
         )
-    bs = sorted({row[1] for row in rows})
-    if len(bs) > 1:
+    return _batch_headline(everyone)
+
+
+def _first_difference(everyone: Sequence[Any]) -> tuple[int, list[str]]:
+    """The first forward (of the chain) whose items differ between ranks, and the keys that differ."""
+    for i in range(min(len(records) for records in everyone)):
+        dicts = [records[i][2] for records in everyone]
+        keys = [k for k in dict.fromkeys(k for d in dicts for k in d) if len({d.get(k) for d in dicts}) > 1]
+        if keys:
+            return i, keys
+    return 0, []
+
+
+def _batch_headline(everyone: Sequence[Any]) -> str:
+    i, keys = _first_difference(everyone)
+    dicts = [records[i][2] for records in everyone]
+    if "B" in keys:
+        bs = sorted({d.get("B", "-") for d in dicts}, key=lambda b: (len(b), b))
         return (
-            "the ranks were given different global batches: B differs across ranks "
-            f"({', '.join('-' if b < 0 else str(b) for b in bs)}); every rank must get the same "
-            "global batch (or load per-rank data and use dpfast.distributed.shard_batch / "
-            "shard_dataset with torch's DistributedDataParallel)"
+            f"the ranks were given different global batches: B differs across ranks ({', '.join(bs)}); every rank "
+            "must get the same global batch (or pass inputs='per_rank' and give each rank its own rows)"
         )
-    if len({row[2] for row in rows}) == 1:
+    if keys == ["split"]:
         return (
-            f"the ranks planned different splits of the same B = {bs[0]}: their cost values or chunk_sizes differ; "
-            "every rank must get the same global batch, costs and chunk_sizes"
+            f"the ranks planned different splits of the same B = {dicts[0].get('B')}: their cost values differ; "
+            "every rank must get the same global batch and costs"
         )
-    what = "shapes, dtypes, structure or values" if hash_values else "shapes, dtypes or structure"
+    if "B" not in dicts[0]:
+        return (
+            f"the ranks' batches differ in {_names(keys)} (per-rank inputs may differ in size only): every rank "
+            "must pass the same structure, dtypes and batch axes"
+        )
     return (
-        f"the ranks were given different global batches: same B = {bs[0]} but different {what} "
-        "of the arguments; every rank must get the same global batch"
+        f"the ranks were given different global batches: same B = {dicts[0].get('B')} but different {_names(keys)}; "
+        "every rank must get the same global batch"
     )
+
+
+def _names(keys: Sequence[str]) -> str:
+    shown = [f"`{k}`" for k in keys[:4]]
+    return ", ".join(shown) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+
+
+def _rank_lines(everyone: Sequence[Any], rank: int) -> list[str]:
+    i, keys = _first_difference(everyone)
+    counts = {len(records) for records in everyone}
+    lines = []
+    for r, records in enumerate(everyone):
+        failed = [(status, err) for status, err, _ in records if status != OK]
+        if failed:
+            text = failed[0][1] or "failed"
+        elif len(counts) > 1:
+            text = f"{len(records)} forward{'s' if len(records) != 1 else ''} since the last check"
+        elif keys:
+            d = records[i][2] if i < len(records) else {}
+            text = "; ".join(f"{k}: {d.get(k, '(none)')}" for k in keys[:4])
+        else:
+            d = records[-1][2] if records else {}
+            text = f"ran its part (B = {d['B']})" if "B" in d else "ran its part"
+        lines.append(f"  rank {r}{' (this rank)' if r == rank else ''}: {text}")
+    return lines

@@ -1,14 +1,15 @@
-"""The differentiable collectives behind ``DistributedDataParallel(gather_outputs=True)``.
+"""The differentiable exchanges of ``DistributedDataParallel``: the gathered outputs (``gather_outputs=True``) and
+the gradients of the call's inputs.
 
-:class:`Exchange` all-gathers the "cat" outputs (any row count per rank) and all-reduces the weighted "red" ones;
-its backward all-reduces every rank's output gradients and keeps this rank's part, the exact adjoint, so a loss on
-the gathered outputs gives the full-batch gradient after DDP's averaging (see :mod:`dpfast.distributed.module`).
+:class:`Exchange` assembles the outputs from every rank's contribution (all-gathered as bytes by
+:mod:`dpfast.distributed.outputs`); its backward all-reduces every rank's output gradients and keeps this rank's
+part, the exact adjoint, so a loss on the gathered outputs gives the full-batch gradient after DDP's averaging (see
+:mod:`dpfast.distributed.module`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -40,33 +41,30 @@ class ZeroOut(torch.autograd.Function):
         return torch.zeros_like(g)
 
 
-class Exchange(torch.autograd.Function):
-    """Forward: all-gather the "cat" tensors (variable rows per rank) and all-reduce the weighted "red" tensors.
-    Backward: all-reduce the output gradients of every rank (the adjoint of both) and keep this rank's part.
+class ScaleGrad(torch.autograd.Function):
+    """Identity on the call's tensor inputs that require grad; backward scales their gradients by ``factor``.
 
-    One node for all outputs, so its backward issues its collectives at one point of every rank's backward pass.
-    """
+    A rank differentiates only through its own rows. With per-rank inputs (or without ``gather_outputs``) each
+    rank keeps its own rows' gradient, scaled by ``1 / W`` as DDP's average scales the parameters', so it is the
+    full-batch gradient of those rows in the cases where the parameters' is (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, exchange, *tensors):
-        ctx.exchange = exchange
-        outs = exchange.forward(tensors)
-        ctx.mark_non_differentiable(*[o for o in outs if not (o.is_floating_point() or o.is_complex())])
-        return tuple(outs)
+    def forward(ctx, factor, *tensors):
+        ctx.factor = factor
+        return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None,) + tuple(ctx.exchange.backward(grads))
+        return (None,) + tuple(None if g is None else g * ctx.factor for g in grads)
 
 
 class AverageInputGrads(torch.autograd.Function):
     """Identity on the call's tensor inputs that require grad; backward averages their gradients over ranks.
 
-    Rank ``r`` only differentiates through its own rows, so its gradient w.r.t. a global-batch input is partial;
-    averaging (one all-reduce for all inputs, before they are sliced, so shapes agree) gives every rank the same
-    gradient DDP gives the parameters: with ``gather_outputs`` the full-batch one (each rank's share carries the
-    factor ``W``, see the module docstring), without it the mean over ranks of their local gradients.
-    """
+    With ``gather_outputs`` and the global batch on every rank, rank ``r``'s gradient w.r.t. a global-batch input
+    holds ``W`` times the full-batch gradient on its own rows and zeros elsewhere; averaging (one all-reduce for
+    all inputs, before they are sliced, so shapes agree) gives every rank the full-batch gradient of every row.
+    Its all-reduce runs in backward, after the ranks checked their batches in the output exchange."""
 
     @staticmethod
     def forward(ctx, group, world, comm_device, *tensors):
@@ -100,125 +98,119 @@ class AverageInputGrads(torch.autograd.Function):
         return (None, None, None) + tuple(out)
 
 
-class OutputExchange:
-    """One exchange of outputs across ranks, as every rank knows it: per tensor its kind, axis, per-rank rows and
-    this rank's weight. ``forward`` all-gathers and all-reduces, ``backward`` is its adjoint."""
+def through_input_grads(tree: Any, group: RankGroup, average: bool) -> dict:
+    """The call's tensor inputs that require grad, seen through one node that averages (``average``: the global
+    batch with ``gather_outputs``) or scales their gradients; maps each such leaf (by ``id``) to its view.
 
-    def __init__(self, group, comm_device, rank, world, kinds, axes, rows, weights, shapes, dtypes, devices):
-        self.group = group
-        self.comm_device = comm_device
-        self.rank = rank
-        self.world = world
-        self.kinds = kinds  # "cat" | "red" per tensor
-        self.axes = axes  # axis for "cat" (0 for 0-dim, after unsqueeze)
-        self.rows = rows  # per "cat" tensor: rows along the axis per rank (0 for inactive ranks)
-        self.weights = weights  # per "red" tensor: this rank's factor c_r
-        self.shapes = shapes  # local shapes
-        self.dtypes = dtypes
-        self.devices = devices
+    Only leaf tensors are scaled: the gradient of an input computed by an earlier call (a recurrent state fed back)
+    flows on into that call's graph, where DDP's averaging already accounts for it."""
+    leaves = [
+        leaf
+        for leaf in tree.leaves
+        if isinstance(leaf.value, Tensor) and leaf.value.requires_grad and (average or leaf.value.is_leaf)
+    ]
+    if not leaves:
+        return {}
+    values = [leaf.value for leaf in leaves]
+    if average:
+        views = AverageInputGrads.apply(group.process_group, group.world, group.comm_device, *values)
+    else:
+        views = ScaleGrad.apply(1.0 / group.world, *values)
+    return {id(leaf): v for leaf, v in zip(leaves, views)}
 
-    # forward ------------------------------------------------------------------------------------------------
-    def forward(self, tensors: Sequence[Tensor]) -> list[Tensor]:
-        outs: list[Tensor | None] = [None] * len(tensors)
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, t in enumerate(tensors):
-            by_dtype.setdefault(t.dtype, []).append(i)
-        for dtype, idx in by_dtype.items():
-            cat = [i for i in idx if self.kinds[i] == "cat"]
-            red = [i for i in idx if self.kinds[i] == "red"]
-            if cat:
-                self._gather(tensors, cat, dtype, outs)
-            if red:
-                self._reduce(tensors, red, dtype, outs)
-        return outs  # type: ignore[return-value]
 
-    def _moved(self, t: Tensor, i: int) -> Tensor:
-        """A "cat" tensor with its axis first (a 0-dim tensor becomes one row)."""
-        return t.reshape(1) if t.dim() == 0 else t.movedim(self.axes[i], 0)
+@dataclasses.dataclass
+class GatheredOutputs:
+    """One exchange of outputs as every rank knows it once the bytes are gathered: per tensor its kind (``"cat"``
+    or ``"red"``), axis, this rank's local shape, dtype and device; per ``"cat"`` tensor every rank's rows; per
+    ``"red"`` tensor every rank's weight; and every rank's contribution, as the tensors ``pieces[r][i]``."""
 
-    def _gather(self, tensors, cat, dtype, outs) -> None:
-        # per rank r, the flat numel of each leaf: rows[r] * (numel of one row)
-        row_numel = {}
-        for i in cat:
-            m = self._moved(tensors[i], i)
-            row_numel[i] = math.prod(m.shape[1:])
-        per_rank = [sum(self.rows[i][r] * row_numel[i] for i in cat) for r in range(self.world)]
-        width = max(per_rank)
-        mine = [self._moved(tensors[i], i).reshape(-1)[: self.rows[i][self.rank] * row_numel[i]] for i in cat]
-        buf = torch.zeros(width, dtype=dtype, device=self.comm_device)
-        if per_rank[self.rank]:
-            buf[: per_rank[self.rank]] = torch.cat([m.to(self.comm_device) for m in mine])
-        if width:
-            bufs = [torch.empty_like(buf) for _ in range(self.world)]
-            dist.all_gather(bufs, buf, group=self.group)
-        else:
-            bufs = [buf] * self.world
-        offs = [0] * self.world
-        for i in cat:
-            m = self._moved(tensors[i], i)
-            pieces = []
-            for r in range(self.world):
-                n = self.rows[i][r] * row_numel[i]
-                if self.rows[i][r]:
-                    pieces.append(bufs[r][offs[r] : offs[r] + n].view((self.rows[i][r],) + tuple(m.shape[1:])))
-                offs[r] += n
-            full = torch.cat(pieces, 0) if pieces else m.new_empty((0,) + tuple(m.shape[1:]))
-            full = full.to(self.devices[i])
-            outs[i] = full if tensors[i].dim() == 0 else full.movedim(0, self.axes[i])
+    group: RankGroup
+    kinds: list[str]
+    axes: list[int]
+    shapes: list[tuple]
+    dtypes: list[torch.dtype]
+    devices: list[torch.device]
+    rows: list[list[int] | None]  # per tensor: rows of every rank ("cat"), None ("red")
+    weights: list[float]  # per rank: its factor in a "red" ("mean": its share, "sum": 1 or 0)
+    sum_weights: list[float]
+    reductions: list[str]  # per tensor: "sum" | "mean" ("red"), "" ("cat")
+    pieces: list[list[Tensor]]  # per rank, per tensor: its contribution (rows along axis 0 for "cat")
 
-    def _reduce(self, tensors, red, dtype, outs) -> None:
-        flat = []
-        for i in red:
-            t = tensors[i].reshape(-1).to(self.comm_device)
-            w = self.weights[i]
-            flat.append(torch.zeros_like(t) if w == 0 else (t if w == 1 else t * w))
-        buf = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
-        dist.all_reduce(buf, group=self.group)
-        o = 0
-        for i in red:
-            n = math.prod(self.shapes[i])
-            outs[i] = buf[o : o + n].view(self.shapes[i]).to(self.devices[i])
-            o += n
+    def assemble(self) -> list[Tensor]:
+        """The full-batch outputs: "cat" tensors concatenated in rank order, "red" ones summed in rank order."""
+        outs = []
+        for i, kind in enumerate(self.kinds):
+            if kind == "cat":
+                parts = [self.pieces[r][i] for r in range(self.group.world) if self.rows[i][r]]
+                empty = (0,) + _row_shape(self.shapes[i], self.axes[i])
+                full = torch.cat(parts, 0) if parts else torch.empty(empty, dtype=self.dtypes[i])
+                full = full.to(self.devices[i])
+                outs.append(full.movedim(0, self.axes[i]) if self.shapes[i] else full)  # 0-dim: stacked
+                continue
+            w = self.weights if self.reductions[i] == "mean" else self.sum_weights
+            total = None
+            for r in range(self.group.world):
+                if w[r]:
+                    term = self.pieces[r][i] if w[r] == 1 else self.pieces[r][i] * w[r]
+                    total = term if total is None else total + term
+            if total is None:
+                total = torch.zeros(self.shapes[i], dtype=self.dtypes[i])
+            outs.append(total.to(self.devices[i]))
+        return outs
 
-    # backward -----------------------------------------------------------------------------------------------
     def backward(self, grads: Sequence[Tensor | None]) -> list[Tensor | None]:
+        """The adjoint: every rank's output gradients summed (one all-reduce per dtype), this rank's part kept."""
         out: list[Tensor | None] = [None] * len(grads)
         by_dtype: dict[torch.dtype, list[int]] = {}
-        for i in range(len(grads)):
-            if self.dtypes[i].is_floating_point or self.dtypes[i].is_complex:
-                by_dtype.setdefault(self.dtypes[i], []).append(i)
-        for dtype, idx in by_dtype.items():
-            flat = []
-            for i in idx:
-                g = grads[i]
-                flat.append(g.reshape(-1).to(self.comm_device))  # materialized: zeros where unused
+        for i, dtype in enumerate(self.dtypes):
+            if dtype.is_floating_point or dtype.is_complex:
+                by_dtype.setdefault(dtype, []).append(i)
+        g = self.group
+        for idx in by_dtype.values():
+            flat = [grads[i].reshape(-1).to(g.comm_device) for i in idx]  # materialized: zeros where unused
             buf = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
             if buf.numel():
-                dist.all_reduce(buf, group=self.group)  # Σ over ranks of ∂L_r/∂(gathered output)
+                dist.all_reduce(buf, group=g.process_group)  # sum over ranks of dL_r / d(gathered output)
             o = 0
             for i in idx:
                 n = grads[i].numel()
-                g = buf[o : o + n].view(grads[i].shape).to(self.devices[i])
+                out[i] = self._own_part(i, buf[o : o + n].view(grads[i].shape).to(self.devices[i]))
                 o += n
-                if self.kinds[i] == "red":
-                    w = self.weights[i]
-                    out[i] = torch.zeros(self.shapes[i], dtype=dtype, device=self.devices[i]) if w == 0 else g * w
-                else:  # this rank's rows of the summed gradient
-                    start = sum(self.rows[i][: self.rank])
-                    n_rows = self.rows[i][self.rank]
-                    if len(self.shapes[i]) == 0:
-                        out[i] = g[start] if n_rows else torch.zeros((), dtype=dtype, device=self.devices[i])
-                        continue
-                    axis = self.axes[i]
-                    mine = g.narrow(axis, start, n_rows)
-                    if mine.shape[axis] != self.shapes[i][axis]:  # inactive rank: its (full-input) rows don't count
-                        z = torch.zeros(self.shapes[i], dtype=dtype, device=self.devices[i])
-                        out[i] = z
-                    else:
-                        out[i] = mine
         return out
 
+    def _own_part(self, i: int, summed: Tensor) -> Tensor:
+        dtype, device, shape = self.dtypes[i], self.devices[i], self.shapes[i]
+        r = self.group.rank
+        if self.kinds[i] == "red":
+            w = (self.weights if self.reductions[i] == "mean" else self.sum_weights)[r]
+            return torch.zeros(shape, dtype=dtype, device=device) if w == 0 else summed * w
+        rows = self.rows[i]
+        start, n_rows = sum(rows[:r]), rows[r]
+        if len(shape) == 0:  # a 0-dim output, stacked: this rank's entry (if it counted)
+            return summed[start] if n_rows else torch.zeros((), dtype=dtype, device=device)
+        axis = self.axes[i]
+        if n_rows != shape[axis]:  # a rank whose outputs do not count (a ghost, or not rank 0 when nothing split)
+            return torch.zeros(shape, dtype=dtype, device=device)
+        return summed.narrow(axis, start, n_rows)
 
-def fingerprint(items: Sequence[Any]) -> int:
-    h = hashlib.blake2b(repr(list(items)).encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little", signed=True)
+
+def _row_shape(shape: tuple, axis: int) -> tuple:
+    """A "cat" tensor's shape without its gathered axis (a 0-dim tensor gathers as one row of shape ())."""
+    return tuple(n for k, n in enumerate(shape) if k != axis) if shape else ()
+
+
+class Exchange(torch.autograd.Function):
+    """Forward: the gathered outputs (already communicated; this rank's tensors only connect the graph).
+    Backward: the adjoint (:meth:`GatheredOutputs.backward`), at one point of every rank's backward pass."""
+
+    @staticmethod
+    def forward(ctx, gathered: GatheredOutputs, *tensors):
+        ctx.gathered = gathered
+        outs = gathered.assemble()
+        ctx.mark_non_differentiable(*[o for o in outs if not (o.is_floating_point() or o.is_complex())])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None,) + tuple(ctx.gathered.backward(grads))

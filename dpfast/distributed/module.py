@@ -1,35 +1,18 @@
 """``dpfast.DistributedDataParallel``: ``torch.nn.parallel.DistributedDataParallel`` with dpfast's ``in_dims`` /
-``out_dims``, fed the **global** batch on every rank.
-
-Switching from :class:`dpfast.DataParallel` is one line::
-
-    model = dpfast.DataParallel(net, in_dims={"h": 1}, out_dims=(0, 0, 1))
-    model = dpfast.DistributedDataParallel(net, in_dims={"h": 1}, out_dims=(0, 0, 1), gather_outputs=True)
+``out_dims``, fed the **global** batch on every rank (the one-line switch from ``dpfast.DataParallel``) or each
+rank's **own rows** (``inputs="per_rank"``, as DDP users load data).
 
 What one forward does, on every rank:
 
-1. Plan the call with ``DataParallel``'s planning stage over ``world_size`` parts (same binding, same
-   :class:`~dpfast.ScatterError` for a bad batch).
-2. **Agree on the batch** (unless ``check_batch=False``): one small all-gather of ``(status, B, fingerprint)``. The
-   fingerprint hashes the argument structure and the shape/dtype of every tensor to split (``check_batch="values"``
-   also hashes their bytes). Any disagreement, or a rank whose own inputs are bad, raises
-   :class:`DistributedBatchError` on **every** rank, with a line per rank, instead of hanging in a later collective.
-3. Keep this rank's share of that plan: rank ``r`` gets the rows replica ``r`` would get (earlier ranks take the
-   remainder; ``chunk_sizes`` weights ranks; ``cost`` balances per-sample costs instead of counts, and the split
-   itself is part of what the ranks agree on). Inputs with spec ``None`` are used as given.
-4. Run the module through ``torch``'s DDP forward (reducer, ``find_unused_parameters``, ``no_sync`` ... unchanged).
-5. With ``gather_outputs=True``, combine the outputs across ranks with a differentiable collective so every rank
-   holds the full-batch result (see "Gradient math" below).
-
-Ranks with no share (``B < world_size``, or a ``chunk_sizes`` weight of 0) still run a forward, so DDP's
-gradient all-reduce sees every parameter and nothing hangs: the module is called on an **empty slice** (``B = 0``
-along each mapped axis; Linear, convolutions, LSTM/GRU, BatchNorm... accept it and give exactly-zero gradients).
-If the module raises on an empty batch, it is called on a **ghost**: the first sample of the global batch, whose
-outputs are then cut to zero rows (int specs) or replaced by zeros (``"sum"``/``"mean"``, 0-dim) through ops whose
-backward is zero, so the gradients stay exactly zero but reach the same parameters. (A ghost is a real forward:
-it runs dropout and updates BatchNorm running statistics with that sample.) When there is nothing to split
-(``B == 0``, or no tensor with an int spec), every rank runs the whole input, and only rank 0's outputs count when
-gathering (as ``DataParallel`` runs one replica).
+1. Plan the call with ``DataParallel``'s planning stage: over ``world_size`` parts for the global batch (rank
+   ``r`` keeps the rows replica ``r`` would get; ``chunk_sizes`` weights ranks, ``cost`` balances per-sample
+   costs), or as one part for per-rank inputs (the same specs and :class:`~dpfast.ScatterError`).
+2. Record what the ranks must agree on (:mod:`dpfast.distributed.agreement`); the check itself travels with a
+   collective the step runs anyway (:mod:`dpfast.distributed.checks`), so an ordinary step adds none.
+3. Run this rank's rows through ``torch``'s DDP forward (reducer, ``find_unused_parameters``, ``no_sync`` ...
+   unchanged). A rank with no rows runs an empty share (:mod:`dpfast.distributed.keeping_step`).
+4. With ``gather_outputs=True``, combine the outputs across ranks with a differentiable exchange so every rank
+   holds the full-batch result (:mod:`dpfast.distributed.outputs`).
 
 Gradient math with ``gather_outputs=True``: rank ``r`` computes ``o_r = f(x_r; θ)``; the gather gives every rank
 ``O = [o_0, ..., o_{W-1}]`` and every rank computes the same loss ``L(O)`` and calls ``backward``. The backward of
@@ -37,98 +20,101 @@ the gather is the exact adjoint of an all-gather in the global graph: the output
 summed (all-reduce) and rank ``r`` keeps its slice, ``W · ∂L/∂o_r`` (for ``"mean"``/``"sum"`` outputs,
 ``c_r · W · ∂L/∂v`` with ``c_r`` the rank's weight). Rank ``r``'s parameter gradient is ``W · J_rᵀ ∂L/∂o_r``, and
 DDP's all-reduce *averages*: ``(1/W) Σ_r W · J_rᵀ ∂L/∂o_r = ∂L/∂θ``, exactly the single-process full-batch
-gradient. (Summing rather than scaling by ``W`` locally keeps this right even if ranks compute different losses:
-the gradient is then that of their mean.) Every rank must use the gathered outputs the same way (each gathered
-output either in every rank's loss or in none) and call ``backward``: the gather's backward is a collective.
-
-Gradients w.r.t. the call's tensor inputs (those with ``requires_grad``, e.g. a learned initial state) are
-averaged over ranks like the parameters' (one all-reduce in backward, through
-:class:`~dpfast.distributed.exchanges.AverageInputGrads`), so with ``gather_outputs`` every rank's ``x.grad`` is
-the full-batch one too.
+gradient, with the global batch or per-rank inputs alike. Every rank must use the gathered outputs the same way
+and call ``backward``: the gather's backward is a collective.
 
 Without ``gather_outputs`` you get this rank's outputs and DDP's usual semantics: gradients are averaged over ranks.
 For a per-sample-mean loss on uneven shares, multiply the local loss by :attr:`DistributedDataParallel.loss_scale`
 (``W · n_r / B``) to get exactly the full-batch gradient.
+
+Gradients w.r.t. the call's tensor inputs that require grad: with the global batch and ``gather_outputs`` they are
+averaged over ranks (:class:`~dpfast.distributed.exchanges.AverageInputGrads`), so every rank's ``x.grad`` is the
+full-batch one; otherwise each rank keeps its own rows' gradient, scaled by ``1/W`` as the parameters' average is
+(:class:`~dpfast.distributed.exchanges.ScaleGrad`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import numbers
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed.utils import _to_kwargs
 
 from ..plan.call_plan import CallPlan, plan_call
-from ..plan.costs import CostSpec
 from ..plan.errors import ScatterError
-from ..plan.splits import validate_chunk_sizes
-from ..trees.binding import ArgumentSpecs, ArgumentTree, forward_of
-from ..trees.flatten import unflatten
-from ..trees.specs import Spec, SpecLeaf, match_spec, validate_spec
-from .agreement import agree_on_batch
-from .exchanges import AverageInputGrads, RankGroup, ZeroOut
-from .outputs import gather_across_ranks
-from .sharding import Share, take_rows
+from ..run.collectives import observe_process_group_collectives
+from ..trees.specs import Spec
+from .agreement import EMPTY_REFUSED, GHOST_COUNTED, OK, DistributedBatchError, StepRecord, describe_step
+from .bucket_check import BucketCheck
+from .checks import StepChecks
+from .exchanges import RankGroup, through_input_grads
+from .keeping_step import CollectiveLog, EmptyShare, replay, run_empty_share
+from .outputs import OutputsCall, gather_across_ranks
+from .settings import FIXED, agree_on_settings, check_settings, describe_settings
+from .sharding import Share, rank_call
+
+
+class _ShareRefused(Exception):
+    """Raised out of DDP's forward when a rank without rows could run neither its empty share nor a ghost."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
 
 
 @dataclasses.dataclass
-class _EmptyShare:
-    """How a rank with no rows runs: an empty slice first (``try_empty``), else a ghost of one real sample."""
+class _CallState:
+    """What this rank's last forward left for the properties and DDP's overrides (in one plain object: setting
+    an attribute of an ``nn.Module`` costs microseconds, and a step sets several)."""
 
-    plan: CallPlan
-    subs: dict  # the inputs seen through AverageInputGrads
-    try_empty: bool
-
-
-def zero_ghost_outputs(out: Any, out_dims: Spec, dim: int) -> Any:
-    """A ghost's outputs counted as nothing: int-spec tensors cut to zero rows, the rest zeroed with a zero
-    gradient (the graph still reaches the same parameters, so DDP's reducer sees them all)."""
-    spec = dim if out_dims is None else out_dims
-    leaves: list[SpecLeaf] = []
-    tdef = match_spec(out, spec, "output", dim, out_dims is not None, "out_dims", leaves)
-    values = []
-    for leaf in leaves:
-        v, s = leaf.value, leaf.spec
-        if isinstance(v, Tensor):
-            if isinstance(s, int) and v.dim() > 0 and -v.dim() <= s < v.dim():
-                v = v.narrow(s % v.dim(), 0, 0)
-            elif v.is_floating_point() or v.is_complex():
-                v = ZeroOut.apply(v)
-            else:
-                v = torch.zeros_like(v)
-        elif isinstance(v, numbers.Number) and isinstance(s, str):
-            v = type(v)(0)
-        values.append(v)
-    return unflatten(tdef, values)
+    share: Share | None = None
+    pending_rows: int | None = None  # per-rank inputs: this rank's rows, until every rank's are known
+    empty: EmptyShare | None = None  # set for the forward of a rank that has no rows
+    log: CollectiveLog | None = None  # the process-group collectives of the forward
+    ghost_error: BaseException | None = None
+    capacity: int = 0  # bytes the output exchange's first all-gather carries (the same on every rank)
 
 
 class DistributedDataParallel(nn.parallel.DistributedDataParallel):
-    """``torch.nn.parallel.DistributedDataParallel`` that takes the global batch and dpfast's ``in_dims``/``out_dims``.
+    """``torch.nn.parallel.DistributedDataParallel`` with dpfast's ``in_dims``/``out_dims``.
 
     Args:
         module, device_ids, output_device: as for torch's DDP (one device per process: ``device_ids=[local_rank]``
             on GPUs, ``None`` on the CPU).
-        in_dims, out_dims, dim, chunk_sizes, cost: as for :class:`dpfast.DataParallel`, with ranks in place of
-            devices (``chunk_sizes`` has one relative weight per rank; ``cost`` balances the ranks' work, and
-            every rank computes the same split from its copy of the global batch).
+        inputs: ``"global"`` (default): every rank is given the same global batch and keeps its rows, by the plan
+            ``DataParallel`` makes over ``world_size`` devices. ``"per_rank"``: every rank passes only its own rows
+            (a share from :func:`~dpfast.distributed.shard_batch`, a
+            :class:`~dpfast.distributed.BalancedBatchSampler`, any per-rank loader); shares may differ in size.
+        in_dims, out_dims, dim: as for :class:`dpfast.DataParallel`.
+        chunk_sizes, cost: as for :class:`dpfast.DataParallel`, with ranks in place of devices (``inputs="global"``
+            only: one relative weight per rank; ``cost`` balances the ranks' work, and every rank computes the
+            same split from its copy of the global batch).
         gather_outputs: all-gather the outputs (differentiably) so every rank holds the full-batch result: int spec
             -> concatenated along that axis in rank order (a 0-dim output is stacked into ``(n_ranks_with_rows,)``),
             ``"sum"``/``"mean"`` -> reduced across ranks (``"mean"`` weighted by share), ``None`` -> this rank's own
             value. A loss on the gathered outputs gives exactly the full-batch gradients after DDP's averaging.
-        check_batch: ``True`` (default) checks before every forward that all ranks got the same global batch
-            (``B``, argument structure, shapes and dtypes of the tensors to split) with one small all-gather;
-            ``"values"`` also compares a hash of their bytes (a device-to-host copy); ``False`` skips it (needed
-            with ``DistributedDataParallel.join()``, where joined ranks stop calling forward).
+        check_batch: ``True`` (default): the ranks check that they agree on every step (``B``, the split, the
+            argument structure, shapes and dtypes; per-rank inputs: structure and dtypes), inside a collective the
+            step runs anyway: the output all-gather with ``gather_outputs``, else DDP's first gradient bucket (a
+            mismatch then raises from ``backward()``); under ``torch.no_grad()`` without ``gather_outputs``, and on
+            the first call, one small all-gather. ``"values"`` also compares a hash of the split tensors' bytes (a
+            device-to-host copy); ``False`` skips it (needed with ``join()``, where joined ranks stop calling
+            forward).
         **ddp_kwargs: passed to torch's DDP (``process_group``, ``find_unused_parameters``, ``static_graph``,
             ``broadcast_buffers``, ``bucket_cap_mb``, ...).
 
+    Raises:
+        DistributedBatchError: on every rank, when the ranks were built with different settings (here), or when a
+            step finds that they disagree or that one cannot run its part (see ``check_batch``).
+        TypeError, ValueError: invalid settings (on every rank alike).
+        RuntimeError: ``torch.distributed`` is not initialized.
+
+    The settings above are fixed once built (every rank agreed on them): assigning one raises ``AttributeError``.
     After each forward, :attr:`share` holds this rank's rows and :attr:`loss_scale` the factor ``W · n_r / B``
     that makes a local per-sample-mean loss give the full-batch gradient without ``gather_outputs``.
     """
@@ -139,6 +125,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         device_ids: Sequence[Any] | None = None,
         output_device: Any = None,
         *,
+        inputs: str = "global",
         in_dims: Any = None,
         out_dims: Spec = None,
         dim: int = 0,
@@ -148,156 +135,257 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         check_batch: Any = True,
         **ddp_kwargs: Any,
     ) -> None:
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        if check_batch not in (True, False, "values"):
-            raise ValueError(f"check_batch must be True, False or 'values', got {check_batch!r}")
-        # Everything about the specs is checked before torch's DDP broadcasts anything.
-        specs = ArgumentSpecs(forward_of(module), in_dims, dim)
-        validate_spec(out_dims, "out_dims", allow_reductions=True)
-        cost_spec = None if cost is None else CostSpec(cost, specs)
-        if not (dist.is_available() and dist.is_initialized()):
+        values = dict(inputs=inputs, in_dims=in_dims, out_dims=out_dims, dim=dim, chunk_sizes=chunk_sizes)
+        values.update(cost=cost, gather_outputs=bool(gather_outputs), check_batch=check_batch)
+        ready = dist.is_available() and dist.is_initialized()
+        pg = ddp_kwargs.get("process_group")
+        try:  # everything about the settings is checked before torch's DDP broadcasts anything
+            specs, cost_spec, weights = check_settings(module, values, pg if ready else None)
+        except (TypeError, ValueError) as exc:
+            if not ready:
+                raise
+            agree_on_settings(pg, None, exc)
+            raise
+        if not ready:
             raise RuntimeError(
                 "dpfast.DistributedDataParallel needs torch.distributed: call "
                 "torch.distributed.init_process_group(...) first (torchrun sets the environment for it)"
             )
+        agree_on_settings(pg, describe_settings(values, specs.signature_text), None)
         super().__init__(module, device_ids=device_ids, output_device=output_device, dim=dim, **ddp_kwargs)
-        self.in_dims = in_dims
-        self.out_dims = out_dims
-        self.chunk_sizes = chunk_sizes
-        self.cost = cost
-        self._cost = cost_spec
-        self.gather_outputs = bool(gather_outputs)
-        self.check_batch = check_batch
-        self._specs = specs
-        self._rank = dist.get_rank(self.process_group)
-        self._world = dist.get_world_size(self.process_group)
-        self._weights = validate_chunk_sizes(chunk_sizes, self._world)
+        for name in FIXED:
+            setattr(self, name, values[name])
+        self._specs, self._cost, self._weights = specs, cost_spec, weights
+        self._rank, self._world = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
         backend = str(dist.get_backend(self.process_group)).lower()
         comm = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
         self._group = RankGroup(self.process_group, self._rank, self._world, comm)
-        self.share: Share | None = None
-        self._empty_share: _EmptyShare | None = None  # set for the forward of a rank that has no rows
-        self._warned_empty = False
-        self._buffer_source = 0  # the first rank that had rows in the last forward (see _sync_buffers)
+        self._checks = StepChecks(self._group, enabled=bool(check_batch))
+        self._bucket_check: BucketCheck | None = None
+        if check_batch and not self.gather_outputs:
+            self._bucket_check = BucketCheck(self._group, self._checks.row, self._checks.verify)
+            super().register_comm_hook(None, self._bucket_check.hook)
+        self._call = _CallState()
+        self._settings_fixed = True
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in FIXED and self.__dict__.get("_settings_fixed"):
+            raise AttributeError(
+                f"DistributedDataParallel.{name} is fixed once built: every rank agreed on it in the constructor, "
+                "and a change on one rank would make the ranks wait in different collectives; build a new "
+                f"DistributedDataParallel with {name}={value!r} on every rank instead"
+            )
+        super().__setattr__(name, value)
 
     # -- properties -----------------------------------------------------------------------------------------
+
+    @property
+    def share(self) -> Share | None:
+        """This rank's part of the last forward's batch (``None`` before the first). With ``inputs="per_rank"``
+        and without ``gather_outputs`` the other ranks' row counts come from one small all-gather, run at the
+        first read after a forward: read it (or :attr:`loss_scale`) on every rank or on none."""
+        if self._call.pending_rows is not None:
+            rows, self._call.pending_rows = self._call.pending_rows, None
+            self._call.share = _per_rank_share(self._rank, self._exchange_sizes(rows))
+        return self._call.share
 
     @property
     def loss_scale(self) -> float:
         """``W · n_r / B`` for the last forward (1.0 when nothing was split): multiply a local per-sample-mean
         loss by it and DDP's averaged gradient is the full-batch one."""
         s = self.share
-        if s is None or not s.sizes:
+        if s is None or not s.sizes or not s.batch_size:
             return 1.0
         return s.world_size * s.size / s.batch_size
+
+    def _exchange_sizes(self, rows: int) -> list[int]:
+        """Per-rank inputs without gather_outputs: every rank's row count, from one small all-gather (a rank
+        that cannot run its part replays it when the last checked step had one, see ``_keep_step``)."""
+        g = self._group
+        mine = torch.tensor([rows], dtype=torch.int64, device=g.comm_device)
+        everyone = [torch.empty_like(mine) for _ in range(g.world)]
+        dist.all_gather(everyone, mine, group=g.process_group)
+        self._checks.exchanged_sizes()
+        return torch.cat(everyone).tolist()
 
     # -- the call -------------------------------------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        plan: CallPlan | None = None
-        error: BaseException | None = None
-        try:
-            plan = plan_call(self._specs, inputs, kwargs, self._world, self._weights, cost=self._cost)
-        except (ScatterError, TypeError, ValueError) as exc:
-            # planning can fail on one rank only (a structure that does not match its spec): that rank must reach
-            # the agreement too, or the others wait there for it
-            error = exc
+        if self._bucket_check is not None:
+            self._bucket_check.read_deferred()  # CUDA: the last backward's check
+        plan, error = self._plan(inputs, kwargs)
         if self.check_batch:
-            agree_on_batch(self._group, plan, error, self._specs.signature_text, self.check_batch == "values")
+            record = describe_step(plan, error, self.inputs == "per_rank", self.check_batch == "values")
+        else:
+            record = StepRecord(OK, error, {})
+        self._checks.begin(record)  # the first call is checked here, before anything runs (raises on every rank)
         if error is not None:
-            raise error
-        assert plan is not None
+            if not self.check_batch:
+                raise error
+            return self._keep_step(record, ran_forward=False)
         args, kw = self._take_share(plan, inputs, kwargs)
-        outputs = super().forward(*args, **kw)
-        if self.check_batch:  # the ranks agreed on the batch, so on this plan (else they might not: rank 0, as torch)
-            self._buffer_source = next((r for r, n in enumerate(plan.sizes) if n > 0), 0) if plan.mode == "split" else 0
-        if not self.gather_outputs:
-            return outputs
-        return gather_across_ranks(self._group, outputs, self.out_dims, self.dim, self.share)
+        self._call.log = CollectiveLog(keep_results=self._call.empty is not None)
+        self._call.ghost_error = None
+        try:
+            with observe_process_group_collectives(self._call.log):
+                outputs = super().forward(*args, **kw)
+        except _ShareRefused as refused:
+            record.fail(EMPTY_REFUSED, refused.error)
+            return self._keep_step(record, ran_forward=True)
+        if self._call.ghost_error is not None:
+            record.fail(GHOST_COUNTED, self._call.ghost_error)
+        if self.check_batch:
+            self._checks.ran(self._call.log.entries, _first_with_rows(plan) if self.inputs == "global" else 0)
+        return self._finish(outputs)
+
+    def _plan(self, inputs: tuple, kwargs: dict) -> tuple[CallPlan | None, BaseException | None]:
+        parts = 1 if self.inputs == "per_rank" else self._world
+        try:
+            return plan_call(self._specs, inputs, kwargs, parts, self._weights, cost=self._cost), None
+        except (ScatterError, TypeError, ValueError) as exc:  # one rank may fail alone: it still keeps step
+            return None, exc
+
+    def _finish(self, outputs: Any) -> Any:
+        """The step's check where a collective carries it, then the outputs (gathered, with gather_outputs)."""
+        if self.gather_outputs:
+            return self._gather(outputs, failed=False)
+        if not torch.is_grad_enabled() or (self._call.log is not None and self._call.log.entries):
+            # no collective follows a no_grad forward; and after collectives in forward, the backward runs their
+            # adjoints, which a rank that cannot run its module could not issue: check now, before any backward
+            self._checks.check_now()
+        return outputs  # else the check rides in the first gradient bucket (or waits for a synchronized backward)
+
+    def _gather(self, outputs: Any, failed: bool) -> Any:
+        s = self._call.share
+        per_rank = self.inputs == "per_rank"
+        call = OutputsCall(
+            self._group,
+            self.out_dims,
+            self.dim,
+            self._checks.row(),
+            self._checks.verify,
+            None if per_rank else (s.sizes if s is not None else ()),
+            self._call.pending_rows if per_rank else None,
+            self._call.capacity,
+        )
+        result, rows, self._call.capacity = gather_across_ranks(call, outputs, failed)
+        if per_rank and rows is not None and min(rows) >= 0:
+            self._call.pending_rows, self._call.share = None, _per_rank_share(self._rank, rows)
+        return result
+
+    def _keep_step(self, record: StepRecord, ran_forward: bool) -> Any:
+        """This rank cannot run its part (``record`` says why): it issues the step's collectives anyway, with
+        nothing to contribute, up to the check, where every rank raises."""
+        if not ran_forward:
+            self._call.share, self._call.pending_rows = None, None
+            self._pre_forward()  # DDP's: buffer broadcast, bucket rebuild
+            replay(self._checks.trace or [])
+        log = self._call.log if ran_forward else None
+        in_forward = bool(self._checks.trace) or bool(log is not None and log.entries)
+        if self.gather_outputs:
+            self._gather(None, failed=True)
+        elif not torch.is_grad_enabled() or in_forward:  # where the others check (see _finish)
+            self._checks.check_now()
+        elif self.require_backward_grad_sync:
+            if self._checks.sizes_exchanged:
+                self._exchange_sizes(0)
+            self._match_all_reduce_for_bwd_pass()  # DDP's shadow of a backward (its join uses it)
+            if self.find_unused_parameters:
+                self._match_unused_params_allreduce()
+            self.reducer._push_all_rebuilt_params()
+            assert self._bucket_check is not None
+            self._bucket_check.read()
+        raise DistributedBatchError(
+            f"dpfast.DistributedDataParallel: rank {self._rank} cannot run its part of this step "
+            f"({record.error_line()}); under no_sync() the other ranks raise at the next synchronized backward"
+        ) from record.error
 
     def _take_share(self, plan: CallPlan, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """This rank's rows of the call (and :attr:`share`); a rank with none gets an empty slice (see the module
-        docstring) and remembers how to run a ghost instead, for :meth:`_run_ddp_forward`."""
-        W, r = self._world, self._rank
-        subs = self._average_input_grads(plan.tree)
-        self._empty_share = None
-        if plan.mode != "split":  # nothing to split, or B == 0: every rank runs the whole input; rank 0's counts
-            self.share = Share(r, W, plan.batch_size, (), 0, plan.batch_size or 0)
-            return take_rows(plan.tree, [], 0, 0, subs) if subs else (inputs, kwargs)
-        start, stop = plan.share(r)
-        self.share = Share(r, W, plan.batch_size, tuple(plan.sizes), start, stop)
-        if stop > start:
-            return take_rows(plan.tree, plan.mapped, start, stop - start, subs)
-        try:
-            empty = take_rows(plan.tree, plan.mapped, start, 0, subs)
-        except ValueError:  # a PackedSequence cannot hold zero sequences: straight to the ghost
-            self._empty_share = _EmptyShare(plan, subs, try_empty=False)
-            return inputs, kwargs
-        self._empty_share = _EmptyShare(plan, subs, try_empty=True)
-        return empty
+        """This rank's rows of the call (and :attr:`share`); a rank with none gets an empty share."""
+        average = self.gather_outputs and self.inputs == "global"
+        subs = through_input_grads(plan.tree, self._group, average) if torch.is_grad_enabled() else {}
+        part = rank_call(plan, inputs, kwargs, self._rank, self._world, self.inputs == "per_rank", subs, self._moved)
+        self._call.share, self._call.pending_rows, self._call.empty = part.share, part.pending_rows, part.empty
+        return part.args, part.kwargs
 
-    def _average_input_grads(self, tree: ArgumentTree) -> dict:
-        """The call's tensor inputs that require grad, seen through one :class:`AverageInputGrads` node."""
-        if not torch.is_grad_enabled():
-            return {}
-        leaves = [leaf for leaf in tree.leaves if isinstance(leaf.value, Tensor) and leaf.value.requires_grad]
-        if not leaves:
-            return {}
-        g = self._group
-        views = AverageInputGrads.apply(g.process_group, g.world, g.comm_device, *[leaf.value for leaf in leaves])
-        return {id(leaf): v for leaf, v in zip(leaves, views)}
+    def _moved(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` moved to this rank's device, as DDP's pre-forward moves the inputs."""
+        if not self.device_ids:
+            return args, kwargs
+        device = torch.device(self.device_type, self.device_ids[0])
+        moved_args, moved_kwargs = _to_kwargs(args, kwargs, device, self.use_side_stream_for_tensor_copies)
+        return moved_args[0], moved_kwargs[0]
+
+    def _run_ddp_forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Inside torch's DDP forward (between its pre- and post-forward): a rank without rows runs its empty
+        share, or a ghost (see :mod:`dpfast.distributed.keeping_step`)."""
+        empty, log = self._call.empty, self._call.log
+        if empty is None or log is None:
+            return super()._run_ddp_forward(*inputs, **kwargs)
+        result = run_empty_share(super()._run_ddp_forward, self.module, empty, log, self.out_dims, self.dim)
+        if result.status == EMPTY_REFUSED:
+            trace = self._checks.trace or []
+            replay(trace[len(log.entries) :])  # the rest of the step's collectives, so the others do not wait
+            raise _ShareRefused(result.error)
+        if result.status == GHOST_COUNTED:
+            self._call.ghost_error = result.error
+        return result.outputs
 
     def _sync_buffers(self) -> None:
-        """DDP broadcasts the buffers from rank 0 at each forward. A rank that had no rows in the last forward (a
-        ``chunk_sizes`` weight of 0) holds buffers its module never updated (BatchNorm statistics that would never
-        move), so the first rank that had rows is the source, as ``DataParallel`` keeps the buffers of the first
-        replica that had rows. The ranks agreed on the batch (``check_batch``), so on the plan, and so on the source
-        without asking; with ``check_batch=False`` they might not, and rank 0 stays the source."""
-        if self._buffer_source == 0 or self._join_config.enable:
+        """DDP broadcasts the buffers from rank 0 at each forward. A rank that had no rows in the last checked
+        forward (a ``chunk_sizes`` weight of 0) holds buffers its module never updated (BatchNorm statistics that
+        would never move), so the first rank that had rows is the source, as ``DataParallel`` keeps the buffers
+        of the first replica that had rows. It comes from a checked plan, so every rank picks the same; with
+        ``check_batch=False`` rank 0 stays the source."""
+        source = self._checks.buffer_source
+        if source == 0 or self._join_config.enable:
             return super()._sync_buffers()
         with torch.no_grad(), contextlib.ExitStack() as stack:
             self._assign_modules_buffers()
             preserve = getattr(torch.autograd, "_unsafe_preserve_version_counter", None)
             for b in self.modules_buffers if preserve else ():  # one tensor each: torch 2.4 takes no tuple
                 stack.enter_context(preserve(b))
-            self._sync_module_buffers(self._buffer_source)
+            self._sync_module_buffers(source)
 
-    def _run_ddp_forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """Inside torch's DDP forward (between its pre- and post-forward): an empty share runs an empty slice, or
-        a ghost when the module refuses an empty batch."""
-        empty = self._empty_share
-        if empty is None:
-            return super()._run_ddp_forward(*inputs, **kwargs)
-        if empty.try_empty:  # `inputs` is the empty slice, already moved to the device by DDP's pre-forward
-            try:
-                return super()._run_ddp_forward(*inputs, **kwargs)
-            except Exception as exc:  # noqa: BLE001 - any refusal of B = 0; a real bug fails the ghost below too
-                self._warn_ghost(exc)
-        args, kw = take_rows(empty.plan.tree, empty.plan.mapped, 0, 1, empty.subs)
-        if self.device_ids:  # as DDP's pre-forward moves inputs
-            moved_args, moved_kw = _to_kwargs(
-                args, kw, torch.device(self.device_type, self.device_ids[0]), self.use_side_stream_for_tensor_copies
-            )
-            args, kw = moved_args[0], moved_kw[0]
-        return zero_ghost_outputs(super()._run_ddp_forward(*args, **kw), self.out_dims, self.dim)
+    def register_comm_hook(self, state: object, hook: Any) -> None:
+        """torch's ``register_comm_hook``; with the checks on (and no ``gather_outputs``) the hook runs on every
+        bucket, and the check's table takes one small all-reduce beside the first bucket's."""
+        if self._bucket_check is None:
+            return super().register_comm_hook(state, hook)
+        self._check_comm_hook(hook)
+        if self._bucket_check.user_hook is not None:
+            raise RuntimeError("register_comm_hook can only be called once")
+        self._bucket_check.user_hook = (state, hook)
 
-    def _warn_ghost(self, exc: BaseException) -> None:
-        if not self._warned_empty:
-            self._warned_empty = True
-            warnings.warn(
-                f"dpfast.DistributedDataParallel: rank {self._rank} has no rows of this batch and the module "
-                f"refused an empty one ({type(exc).__name__}: {exc}); it runs one real sample instead, whose "
-                "outputs count as nothing (said once per module)",
-                RuntimeWarning,
-                stacklevel=3,
+    def join(self, *args: Any, **kwargs: Any) -> Any:
+        if self.check_batch or self.gather_outputs:
+            raise ValueError(
+                "DistributedDataParallel.join() lets ranks stop calling forward, but with check_batch or "
+                "gather_outputs every forward is a collective: build the wrapper with check_batch=False and "
+                "gather_outputs=False to use join()"
             )
+        return super().join(*args, **kwargs)
 
     def extra_repr(self) -> str:
-        parts = [f"world_size={self._world}"]
+        parts = [f"world_size={self._world}"] + (["inputs='per_rank'"] if self.inputs == "per_rank" else [])
         for name in ("in_dims", "out_dims", "chunk_sizes", "cost"):
             if getattr(self, name) is not None:
                 parts.append(f"{name}={getattr(self, name)!r}")
         if self.gather_outputs:
             parts.append("gather_outputs=True")
         return ", ".join(parts)
+
+
+def _first_with_rows(plan: CallPlan) -> int:
+    """The first rank with rows (DDP's buffers come from it at the next forward); 0 when nothing was split."""
+    if plan.mode != "split":
+        return 0
+    for r, n in enumerate(plan.sizes):
+        if n > 0:
+            return r
+    return 0
+
+
+def _per_rank_share(rank: int, rows: Sequence[int]) -> Share:
+    start = sum(rows[:rank])
+    return Share(rank, len(rows), sum(rows), tuple(rows), start, start + rows[rank])

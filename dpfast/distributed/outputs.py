@@ -1,14 +1,20 @@
 """``gather_outputs=True``: combine every rank's outputs so each rank holds the full-batch result.
 
 Int specs are concatenated in rank order (any row count per rank), ``"sum"``/``"mean"`` reduced across ranks
-(``"mean"`` weighted by share), ``None`` keeps this rank's value. An output one rank cannot gather (its structure,
-type or axis) is reported through the first exchange, so every rank raises instead of the others waiting.
+(``"mean"`` weighted by share), ``None`` keeps this rank's value.
+
+One all-gather of bytes carries everything, and the step's check with it: each rank sends a fixed header (its check
+row, whether it could sort its outputs, a fingerprint of their layout, its payload size and rows) and, in the same
+buffer, its payload, when that fits the capacity the ranks agreed on at the previous exchange. Only when a payload
+does not fit (the first exchange, or larger outputs) does a second all-gather follow, sized from the headers; a
+disagreement found in the headers raises on every rank before anything is decoded.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import numbers
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -18,8 +24,12 @@ from torch.nn.utils.rnn import PackedSequence
 
 from ..trees.flatten import TreeDef, unflatten
 from ..trees.specs import Spec, SpecLeaf, match_spec
-from .exchanges import Exchange, OutputExchange, RankGroup, fingerprint
-from .sharding import Share
+from .agreement import NAME, DistributedBatchError, fingerprint
+from .exchanges import Exchange, GatheredOutputs, RankGroup
+
+HEADER_FIELDS = 8  # step status, check fingerprint, forwards, gather status, layout fingerprint, bytes, rows, 0
+_HEADER_BYTES = 8 * HEADER_FIELDS
+_ALIGN = 16
 
 
 @dataclasses.dataclass
@@ -31,19 +41,58 @@ class _Leaves:
     slots: list[tuple] = dataclasses.field(default_factory=list)  # per leaf: ("keep",) | ("t", index, number type)
     tensors: list[Tensor] = dataclasses.field(default_factory=list)
     kinds: list[str] = dataclasses.field(default_factory=list)  # per tensor: "cat" | "red"
+    reductions: list[str] = dataclasses.field(default_factory=list)  # per tensor: "sum" | "mean" | ""
     axes: list[int] = dataclasses.field(default_factory=list)
-    weights: list[float] = dataclasses.field(default_factory=list)  # per tensor: this rank's factor
     desc: list[Any] = dataclasses.field(default_factory=list)  # what every rank must agree on
 
 
-def _rank_weights(share: Share, world: int) -> tuple[list[bool], list[float]]:
-    """Which ranks' outputs count, and each rank's weight in a "mean"."""
-    if share.sizes:
-        return [s > 0 for s in share.sizes], [s / share.batch_size for s in share.sizes]
-    return [i == 0 for i in range(world)], [1.0 if i == 0 else 0.0 for i in range(world)]
+def _reduced_leaf(got: _Leaves, leaf: SpecLeaf) -> None:
+    v, s = leaf.value, leaf.spec
+    if isinstance(v, Tensor):
+        t, num = v, None
+    elif isinstance(v, numbers.Number) and not isinstance(v, bool):
+        num = type(v) if s == "sum" and isinstance(v, int) else float
+        t = torch.tensor(v, dtype=torch.int64 if num is int else torch.float64)
+    else:
+        raise TypeError(
+            f"output `{leaf.path}` is a {type(v).__name__}; out_dims {s!r} needs tensors or numbers from every rank"
+        )
+    got.desc.append((leaf.path, s, tuple(t.shape), str(t.dtype)))
+    got.slots.append(("t", len(got.tensors), num))
+    got.tensors.append(t)
+    got.kinds.append("red")
+    got.reductions.append(s)
+    got.axes.append(0)
 
 
-def _sort_leaves(out: Any, spec: Spec, dim: int, explicit: bool, active: bool, mean_weight: float) -> _Leaves:
+def _concatenated_leaf(got: _Leaves, leaf: SpecLeaf) -> None:
+    v, s = leaf.value, leaf.spec
+    if isinstance(v, PackedSequence):
+        raise TypeError(
+            f"output `{leaf.path}` is a PackedSequence, which gather_outputs cannot all-gather yet; return it padded "
+            "(torch.nn.utils.rnn.pad_packed_sequence), or give it out_dims None to keep this rank's own value"
+        )
+    if not isinstance(v, Tensor):
+        raise TypeError(
+            f"output `{leaf.path}` is a {type(v).__name__}, which cannot be concatenated along axis {s}; give it "
+            "out_dims None (this rank's value), 'sum' or 'mean'"
+        )
+    if v.dim() and not -v.dim() <= s < v.dim():
+        raise ValueError(
+            f"output `{leaf.path}` has shape {tuple(v.shape)}: axis {s} is out of range; give it another out_dims "
+            "axis, or None/'sum'/'mean'"
+        )
+    axis = s % v.dim() if v.dim() else 0
+    other = tuple(n for i, n in enumerate(v.shape) if i != axis)
+    got.desc.append((leaf.path, "cat", axis, v.dim(), str(v.dtype), other))
+    got.slots.append(("t", len(got.tensors), None))
+    got.tensors.append(v)
+    got.kinds.append("cat")
+    got.reductions.append("")
+    got.axes.append(axis)
+
+
+def _sort_leaves(out: Any, spec: Spec, dim: int, explicit: bool) -> _Leaves:
     got = _Leaves()
     got.tdef = match_spec(out, spec, "output", dim, explicit, "out_dims", got.leaves)
     for leaf in got.leaves:
@@ -51,89 +100,198 @@ def _sort_leaves(out: Any, spec: Spec, dim: int, explicit: bool, active: bool, m
         if v is None or s is None:
             got.desc.append((leaf.path, "keep", repr(s), v is None))
             got.slots.append(("keep",))
-            continue
-        if s == "items":
+        elif s == "items":
             raise TypeError(
                 f"output `{leaf.path}` has out_dims 'items', which gather_outputs cannot all-gather yet; give it "
                 "out_dims None to keep this rank's own items"
             )
-        if isinstance(s, str):
-            if isinstance(v, Tensor):
-                t, num = v, None
-            elif isinstance(v, numbers.Number) and not isinstance(v, bool):
-                num = type(v) if s == "sum" and isinstance(v, int) else float
-                t = torch.tensor(v, dtype=torch.int64 if num is int else torch.float64)
-            else:
-                raise TypeError(
-                    f"output `{leaf.path}` is a {type(v).__name__}; out_dims {s!r} needs tensors or numbers from "
-                    "every rank"
-                )
-            got.desc.append((leaf.path, s, tuple(t.shape), str(t.dtype)))
-            got.slots.append(("t", len(got.tensors), num))
-            got.tensors.append(t)
-            got.kinds.append("red")
-            got.axes.append(0)
-            got.weights.append(mean_weight if s == "mean" else (1.0 if active else 0.0))
-            continue
-        if isinstance(v, PackedSequence):
-            raise TypeError(
-                f"output `{leaf.path}` is a PackedSequence, which gather_outputs cannot all-gather yet; return it "
-                "padded (torch.nn.utils.rnn.pad_packed_sequence), or give it out_dims None to keep this rank's own "
-                "value"
-            )
-        if not isinstance(v, Tensor):
-            raise TypeError(
-                f"output `{leaf.path}` is a {type(v).__name__}, which cannot be concatenated along axis {s}; give it "
-                "out_dims None (this rank's value), 'sum' or 'mean'"
-            )
-        if v.dim() and not -v.dim() <= s < v.dim():
-            raise ValueError(
-                f"output `{leaf.path}` has shape {tuple(v.shape)}: axis {s} is out of range; give it another "
-                "out_dims axis, or None/'sum'/'mean'"
-            )
-        axis = s % v.dim() if v.dim() else 0
-        other = tuple(n for i, n in enumerate(v.shape) if i != axis)
-        got.desc.append((leaf.path, "cat", axis, v.dim(), str(v.dtype), other))
-        got.slots.append(("t", len(got.tensors), None))
-        got.tensors.append(v)
-        got.kinds.append("cat")
-        got.axes.append(axis)
-        got.weights.append(1.0)
+        elif isinstance(s, str):
+            _reduced_leaf(got, leaf)
+        else:
+            _concatenated_leaf(got, leaf)
     return got
 
 
-def _exchange_rows(group: RankGroup, got: _Leaves, error: BaseException | None, active: bool) -> list:
-    """Per tensor, the rows every rank contributes ("cat"; None for "red"); raises on every rank when the ranks'
-    outputs disagree or one could not sort its own."""
-    # one small all-gather: structure fingerprint and error status, then (when any) the rows of each "cat" tensor
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+class _Payload:
+    """This rank's payload: the rows of each "cat" tensor (int64), then every tensor's bytes, 16-byte aligned; kept
+    as views and written straight into the all-gather's buffer. A rank whose outputs do not count sends no rows
+    ("cat") and values that get weight 0 ("red")."""
+
+    def __init__(self, got: _Leaves, active: bool) -> None:
+        cat = [(t, a) for t, k, a in zip(got.tensors, got.kinds, got.axes) if k == "cat"]
+        rows = [(1 if t.dim() == 0 else t.shape[a]) if active else 0 for t, a in cat]
+        self.chunks = [torch.tensor(rows, dtype=torch.int64).view(torch.uint8)] if cat else []
+        for t, kind, axis in zip(got.tensors, got.kinds, got.axes):
+            if kind == "cat":
+                t = t.reshape(1) if t.dim() == 0 else t.movedim(axis, 0)
+                t = t if active else t[:0]
+            self.chunks.append(t.detach().contiguous().reshape(-1).view(torch.uint8))
+        self.size = sum(_aligned(c.numel()) for c in self.chunks)
+
+    def write(self, out: Tensor) -> None:
+        offset = 0
+        for c in self.chunks:
+            out[offset : offset + c.numel()] = c
+            offset += _aligned(c.numel())
+
+
+def _all_gather(group: RankGroup, buf: Tensor) -> list[Tensor]:
+    bufs = [torch.empty_like(buf) for _ in range(group.world)]
+    dist.all_gather(bufs, buf, group=group.process_group)
+    return bufs
+
+
+def _exchange_bytes(group: RankGroup, header: list[int], payload: _Payload, capacity: int) -> tuple[list, list, int]:
+    """Headers and payloads of every rank (one all-gather when every payload fits ``capacity``), and the capacity
+    to use next time (the same on every rank: it is computed from the headers)."""
+    first = torch.zeros(_HEADER_BYTES + capacity, dtype=torch.uint8, device=group.comm_device)
+    first[:_HEADER_BYTES].view(torch.int64).copy_(torch.tensor(header, dtype=torch.int64))
+    if payload.size <= capacity:
+        payload.write(first[_HEADER_BYTES:])
+    bufs = _all_gather(group, first)
+    headers = torch.stack([b[:_HEADER_BYTES] for b in bufs]).view(torch.int64).tolist()
+    sizes = [h[5] for h in headers]
+    widest = max(sizes)
+    if widest <= capacity:
+        payloads = [b[_HEADER_BYTES : _HEADER_BYTES + n] for b, n in zip(bufs, sizes)]
+        new_capacity = capacity if 4 * widest >= capacity else _aligned(widest * 5 // 4)
+        return headers, payloads, new_capacity
+    return headers, None, _aligned(widest * 5 // 4)
+
+
+def _second_round(group: RankGroup, payload: _Payload, sizes: Sequence[int]) -> list[Tensor]:
+    buf = torch.zeros(max(sizes), dtype=torch.uint8, device=group.comm_device)
+    payload.write(buf)
+    return [b[:n] for b, n in zip(_all_gather(group, buf), sizes)]
+
+
+def _decode(got: _Leaves, payloads: Sequence[Tensor]) -> tuple[list[list[int]], list[list[Tensor]]]:
+    """Every rank's rows per "cat" tensor and its contribution per tensor, as views of the gathered bytes."""
     n_cat = got.kinds.count("cat")
-    head = torch.tensor(
-        [fingerprint(got.desc), n_cat, 0 if error is None else 1], dtype=torch.int64, device=group.comm_device
+    head = torch.stack([p[: 8 * n_cat] for p in payloads]).view(torch.int64).tolist() if n_cat else [[]] * len(payloads)
+    pieces = []
+    for p, cat_rows in zip(payloads, head):
+        offset, it, mine = _aligned(8 * n_cat), iter(cat_rows), []
+        for t, kind, axis in zip(got.tensors, got.kinds, got.axes):
+            shape = tuple(t.shape)
+            if kind == "cat":
+                shape = (next(it),) + (tuple(n for k, n in enumerate(t.shape) if k != axis) if t.dim() else ())
+            n = t.element_size() * _numel(shape)
+            mine.append(p[offset : offset + n].view(t.dtype).view(shape))
+            offset += _aligned(n)
+        pieces.append(mine)
+    rows = [[head[r][j] for r in range(len(payloads))] for j in range(n_cat)]
+    return rows, pieces
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+@dataclasses.dataclass
+class OutputsCall:
+    """What one gather needs besides the outputs: the check row and how to verify the ranks' rows, this rank's
+    share (global batch: every rank's rows; per-rank inputs: its own), and the agreed capacity."""
+
+    group: RankGroup
+    out_dims: Spec
+    dim: int
+    check_row: list[int]
+    verify: Callable[[list[list[int]]], None]  # raises on every rank when the ranks' check rows disagree
+    sizes: Sequence[int] | None  # rows per rank of the global batch (() when nothing was split); None: per rank
+    local_rows: int | None  # per-rank inputs: this rank's rows (None when nothing is split)
+    capacity: int
+
+
+def gather_across_ranks(call: OutputsCall, out: Any, failed: bool) -> tuple[Any, list[int] | None, int]:
+    """Every rank's ``out`` combined as ``out_dims`` says (a collective: every rank calls it); returns it, every
+    rank's rows (per-rank inputs; else None) and the next capacity. ``failed``: this rank has no outputs (it could
+    not run its part; its check row says why), so it only takes part in the exchange."""
+    g = call.group
+    spec = call.dim if call.out_dims is None else call.out_dims
+    error: BaseException | None = None
+    got = _Leaves()
+    if not failed:
+        try:
+            got = _sort_leaves(out, spec, call.dim, call.out_dims is not None)
+        except (TypeError, ValueError) as exc:
+            error, got = exc, _Leaves(desc=[("error", f"{type(exc).__name__}: {str(exc).splitlines()[0]}")])
+    active = _active(call, g.rank)
+    payload = _Payload(got, active)
+    layout = fingerprint(got.desc)
+    rows_field = -1 if call.local_rows is None else call.local_rows
+    header = call.check_row + [1 if error is not None else 0, layout, payload.size, rows_field, 0]
+    headers, payloads, capacity = _exchange_bytes(g, header, payload, call.capacity)
+    call.verify([h[:3] for h in headers])  # a rank that could not plan or run its part: raised on every rank here
+    if any(h[3] for h in headers) or len({h[4] for h in headers}) > 1:
+        _raise_output_disagreement(g, got, error, [r for r, h in enumerate(headers) if h[3]])
+    per_rank = [h[6] for h in headers] if call.sizes is None else None
+    if not got.tensors:
+        return out, per_rank, capacity
+    if payloads is None:
+        payloads = _second_round(g, payload, [h[5] for h in headers])
+    rows, pieces = _decode(got, payloads)
+    return _assemble(call, got, rows, pieces, per_rank), per_rank, capacity
+
+
+def _active(call: OutputsCall, rank: int) -> bool:
+    if call.sizes is None:
+        return (call.local_rows or 0) > 0 if call.local_rows is not None else rank == 0
+    return call.sizes[rank] > 0 if call.sizes else rank == 0
+
+
+def _weights(call: OutputsCall, per_rank: list[int] | None, world: int) -> tuple[list[float], list[float]]:
+    """Each rank's factor in a "mean" (its share of the batch) and in a "sum" (1 if its outputs count)."""
+    sizes = list(call.sizes) if call.sizes is not None else per_rank
+    if sizes and min(sizes) >= 0 and sum(sizes) > 0:
+        total = sum(sizes)
+        return [s / total for s in sizes], [1.0 if s > 0 else 0.0 for s in sizes]
+    first = [1.0 if r == 0 else 0.0 for r in range(world)]  # nothing split: rank 0 ran the whole input
+    return first, first
+
+
+def _assemble(call: OutputsCall, got: _Leaves, rows: list, pieces: list, per_rank: list[int] | None) -> Any:
+    g = call.group
+    mean_w, sum_w = _weights(call, per_rank, g.world)
+    it = iter(rows)
+    gathered = GatheredOutputs(
+        g,
+        got.kinds,
+        got.axes,
+        [tuple(t.shape) for t in got.tensors],
+        [t.dtype for t in got.tensors],
+        [t.device for t in got.tensors],
+        [next(it) if k == "cat" else None for k in got.kinds],
+        mean_w,
+        sum_w,
+        got.reductions,
+        pieces,
     )
-    heads = [torch.empty_like(head) for _ in range(group.world)]
-    dist.all_gather(heads, head, group=group.process_group)
-    if any(not torch.equal(h, heads[0]) or int(h[2]) for h in heads):
-        _raise_disagreement(group, got, error, [i for i, h in enumerate(heads) if int(h[2])])
-    rows_per_cat: list[list[int]] = []
-    if n_cat:  # n_cat is part of the fingerprint: equal fingerprints mean equal lengths here
-        mine = [
-            (1 if t.dim() == 0 else t.shape[a]) if active else 0
-            for t, k, a in zip(got.tensors, got.kinds, got.axes)
-            if k == "cat"
-        ]
-        body = torch.tensor(mine, dtype=torch.int64, device=group.comm_device)
-        bodies = [torch.empty_like(body) for _ in range(group.world)]
-        dist.all_gather(bodies, body, group=group.process_group)
-        table = [b.tolist() for b in bodies]
-        rows_per_cat = [[table[q][j] for q in range(group.world)] for j in range(n_cat)]
-    it = iter(rows_per_cat)
-    return [next(it) if k == "cat" else None for k in got.kinds]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in got.tensors):
+        results = Exchange.apply(gathered, *got.tensors)
+    else:
+        results = gathered.assemble()
+    values = []
+    for leaf, slot in zip(got.leaves, got.slots):
+        if slot[0] == "keep":
+            values.append(leaf.value)
+            continue
+        res = results[slot[1]]
+        values.append(res.item() if slot[2] is int else (float(res.item()) if slot[2] is float else res))
+    return unflatten(got.tdef, values)
 
 
-def _raise_disagreement(group: RankGroup, got: _Leaves, error: BaseException | None, failed: list[int]) -> None:
+def _raise_output_disagreement(group: RankGroup, got: _Leaves, error: BaseException | None, failed: list[int]) -> None:
     summaries: list[Any] = [None] * group.world
     dist.all_gather_object(summaries, list(got.desc), group=group.process_group)
-    name = "dpfast.DistributedDataParallel(gather_outputs=True)"
+    name = f"{NAME}(gather_outputs=True)"
     if failed:
         many = len(failed) > 1
         lines = [
@@ -148,45 +306,5 @@ def _raise_disagreement(group: RankGroup, got: _Leaves, error: BaseException | N
     for i, s in enumerate(summaries):
         lines.append(f"  rank {i}{' (this rank)' if i == group.rank else ''}: {s}")
     if error is not None:
-        raise type(error)("\n".join(lines) + "\n" + str(error)) from error
-    raise ValueError("\n".join(lines))
-
-
-def gather_across_ranks(group: RankGroup, out: Any, out_dims: Spec, dim: int, share: Share) -> Any:
-    """Every rank's ``out`` combined leaf by leaf as ``out_dims`` says (a collective: every rank must call it)."""
-    active, mean_w = _rank_weights(share, group.world)
-    spec = dim if out_dims is None else out_dims
-    error: BaseException | None = None
-    try:
-        got = _sort_leaves(out, spec, dim, out_dims is not None, active[group.rank], mean_w[group.rank])
-    except (TypeError, ValueError) as exc:
-        error = exc
-        got = _Leaves(desc=[("error", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")])
-    rows = _exchange_rows(group, got, error, active[group.rank])
-    if not got.tensors:
-        return out
-    exchange = OutputExchange(
-        group.process_group,
-        group.comm_device,
-        group.rank,
-        group.world,
-        got.kinds,
-        got.axes,
-        rows,
-        got.weights,
-        [tuple(t.shape) for t in got.tensors],
-        [t.dtype for t in got.tensors],
-        [t.device for t in got.tensors],
-    )
-    if torch.is_grad_enabled() and any(t.requires_grad for t in got.tensors):
-        results = Exchange.apply(exchange, *got.tensors)
-    else:
-        results = exchange.forward(got.tensors)
-    values = []
-    for leaf, slot in zip(got.leaves, got.slots):
-        if slot[0] == "keep":
-            values.append(leaf.value)
-            continue
-        res = results[slot[1]]
-        values.append(res.item() if slot[2] is int else (float(res.item()) if slot[2] is float else res))
-    return unflatten(got.tdef, values)
+        raise DistributedBatchError("\n".join(lines) + "\n" + str(error)) from error
+    raise DistributedBatchError("\n".join(lines))

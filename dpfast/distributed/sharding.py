@@ -6,7 +6,8 @@ and :func:`shard_dataset` are the public helpers for per-rank loading.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -14,11 +15,12 @@ import torch.distributed as dist
 
 from ..move.nested import scatter_jagged
 from ..move.scatter import scatter_packed
-from ..plan.call_plan import Mapped, plan_call
+from ..plan.call_plan import CallPlan, Mapped, plan_call
 from ..plan.costs import CostSpec
 from ..plan.splits import split_sizes, validate_chunk_sizes
 from ..trees.binding import ArgumentSpecs, ArgumentTree
 from ..trees.specs import Spec, validate_spec
+from .keeping_step import EmptyShare
 
 
 class Share(NamedTuple):
@@ -75,6 +77,52 @@ def take_rows(
     return tree.rebuild(values)
 
 
+@dataclasses.dataclass
+class RankCall:
+    """This rank's part of one planned call: the arguments it runs, its :class:`Share` (``None`` while every
+    rank's rows are not known yet: per-rank inputs, where ``pending_rows`` holds this rank's), and how it runs when
+    it has no rows (``empty``)."""
+
+    args: tuple
+    kwargs: dict
+    share: Share | None
+    pending_rows: int | None = None
+    empty: EmptyShare | None = None
+
+
+def rank_call(
+    plan: CallPlan,
+    inputs: tuple,
+    kwargs: dict,
+    rank: int,
+    world: int,
+    per_rank: bool,
+    subs: dict,
+    move: Callable[[tuple, dict], tuple[tuple, dict]],
+) -> RankCall:
+    """Rank ``rank``'s part of ``plan``: its rows of the global batch, or (``per_rank``) the inputs as given.
+    ``subs`` replaces inputs by their views for the input-gradient node; ``move`` puts a ghost on the device."""
+    if per_rank:
+        args, kw = take_rows(plan.tree, [], 0, 0, subs) if subs else (inputs, kwargs)
+        rows = plan.batch_size
+        if rows is None:  # nothing to split on any rank (the ranks check it): as with the global batch
+            return RankCall(args, kw, Share(rank, world, None, (), 0, 0))
+        return RankCall(args, kw, None, rows, EmptyShare((args, kw), None) if rows == 0 else None)
+    if plan.mode != "split":  # nothing to split, or B == 0: every rank runs the whole input; rank 0's counts
+        args, kw = take_rows(plan.tree, [], 0, 0, subs) if subs else (inputs, kwargs)
+        return RankCall(args, kw, Share(rank, world, plan.batch_size, (), 0, plan.batch_size or 0))
+    start, stop = plan.share(rank)
+    share = Share(rank, world, plan.batch_size, tuple(plan.sizes), start, stop)
+    if stop > start:
+        return RankCall(*take_rows(plan.tree, plan.mapped, start, stop - start, subs), share)
+    try:
+        empty = take_rows(plan.tree, plan.mapped, start, 0, subs)
+    except ValueError:  # a PackedSequence or jagged tensor cannot hold zero samples: straight to the ghost
+        empty = None
+    ghost = EmptyShare(empty, lambda: move(*take_rows(plan.tree, plan.mapped, 0, 1, subs)))
+    return RankCall(*(empty or (inputs, kwargs)), share, None, ghost)
+
+
 def _rank_world(rank: int | None, world_size: int | None, group=None) -> tuple[int, int]:
     if rank is None or world_size is None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -91,6 +139,20 @@ def _rank_world(rank: int | None, world_size: int | None, group=None) -> tuple[i
     return rank, world_size
 
 
+def rank_weights(chunk_sizes: Sequence[float] | None, world_size: int) -> list | None:
+    """``chunk_sizes`` checked as one relative weight per rank (exact fractions), or ``None``."""
+    try:
+        return validate_chunk_sizes(chunk_sizes, world_size)
+    except ValueError:
+        n = len(chunk_sizes) if hasattr(chunk_sizes, "__len__") else world_size  # (its message says device_ids)
+        if n != world_size:
+            raise ValueError(
+                f"chunk_sizes has {n} weights but there are {world_size} ranks; give one weight per rank (0 gives "
+                "a rank no rows)"
+            ) from None
+        raise
+
+
 def shard_range(
     n: int,
     rank: int | None = None,
@@ -102,7 +164,7 @@ def shard_range(
     split (earlier ranks take the remainder, ``chunk_sizes`` weights ranks) that :class:`DistributedDataParallel`
     and ``DataParallel`` use. Nothing is dropped or repeated: the ranges of all ranks partition ``range(n)``."""
     rank, world_size = _rank_world(rank, world_size)
-    sizes = split_sizes(n, world_size, validate_chunk_sizes(chunk_sizes, world_size))
+    sizes = split_sizes(n, world_size, rank_weights(chunk_sizes, world_size))
     start = sum(sizes[:rank])
     return range(start, start + sizes[rank])
 
@@ -146,7 +208,7 @@ def shard_batch(
     process group's.
     """
     rank, world_size = _rank_world(rank, world_size)
-    weights = validate_chunk_sizes(chunk_sizes, world_size)
+    weights = rank_weights(chunk_sizes, world_size)
     if in_dims is not None:
         validate_spec(in_dims, "in_dims", allow_reductions=False)
     specs = ArgumentSpecs(_one_batch, None if in_dims is None else {"batch": in_dims}, dim)

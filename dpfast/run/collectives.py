@@ -11,8 +11,10 @@ summed gradient). Every replica adds in the same order, so all replicas get bit-
 
 from __future__ import annotations
 
+import contextvars
 import warnings
 from collections.abc import Sequence
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -71,7 +73,7 @@ def all_gather(t: Tensor, dim: int = 0) -> Tensor:
         coll = call.enter(i, ("all_gather", dim), _deposit(t))
         return ops.gather([coll.values[j] for j in range(call.n)], dim, t.device)
     if _in_process_group():
-        return _DistAllGather.apply(t, dim)
+        return _through_observer("all_gather", t, dim, lambda: _DistAllGather.apply(t, dim))
     _warn_if_recomputing("all_gather")
     return t
 
@@ -90,9 +92,38 @@ def all_reduce(t: Tensor, op: str = "sum") -> Tensor:
         coll = call.enter(i, ("all_reduce", op), _deposit(t))
         return _reduce_deposits([coll.values[j].to(t.device) for j in range(call.n)], op)
     if _in_process_group():
-        return _DistAllReduce.apply(t, op)
+        return _through_observer("all_reduce", t, op, lambda: _DistAllReduce.apply(t, op))
     _warn_if_recomputing("all_reduce")
     return t
+
+
+# ---- observing the process-group collectives of a block (dpfast.DistributedDataParallel's forward) ------------
+
+# (kind, t, arg, communicate) -> the collective's result: call communicate() to run it, or return a stand-in
+Observer = Callable[[str, Tensor, object, Callable[[], Tensor]], Tensor]
+_OBSERVER: contextvars.ContextVar[Observer | None] = contextvars.ContextVar("dpfast_collective_observer", default=None)
+
+
+class observe_process_group_collectives:
+    """Within the block, every ``all_gather``/``all_reduce`` across a process group goes through ``observer``:
+    ``observer(kind, t, arg, communicate)`` (``kind`` is ``"all_gather"`` or ``"all_reduce"``, ``arg`` the dim or
+    op) returns the result, by calling ``communicate()`` or instead of it. DistributedDataParallel counts them, and
+    replays them for a rank that must keep step with the others without running its module. (A class, not a
+    generator: it wraps every DistributedDataParallel forward.)"""
+
+    def __init__(self, observer: Observer) -> None:
+        self.observer = observer
+
+    def __enter__(self) -> None:
+        self.token = _OBSERVER.set(self.observer)
+
+    def __exit__(self, *exc: object) -> None:
+        _OBSERVER.reset(self.token)
+
+
+def _through_observer(kind: str, t: Tensor, arg: object, communicate: Callable[[], Tensor]) -> Tensor:
+    observer = _OBSERVER.get()
+    return communicate() if observer is None else observer(kind, t, arg, communicate)
 
 
 def _deposit(t: Tensor) -> Tensor:

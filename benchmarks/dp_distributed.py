@@ -1,0 +1,323 @@
+"""DistributedDataParallel (``bench_dp.py --section ddp``): a dpfast step against torch's DDP step, and per-rank
+loading's balance.
+
+**Step time.** Two CPU processes (gloo on loopback, one intra-op thread each), a 64-128-10 MLP at ``B = 64`` (32
+rows per rank); one training step = zero_grad, forward, cross-entropy, backward. Variants, timed in interleaved
+rounds inside the ranks (a barrier before each variant), ratios per round, medians:
+
+* ``torch``: torch's DDP on this rank's 32 rows (and ``torch (again)``, the same step timed as another variant:
+  its ratio to ``torch`` is the measurement's noise floor);
+* ``dpfast``: ``dpfast.DistributedDataParallel`` given the global batch (it keeps its 32 rows);
+* ``dpfast unchecked``: the same with ``check_batch=False`` (what the checks cost);
+* ``dpfast per-rank``: ``inputs="per_rank"``, given this rank's 32 rows;
+* ``torch+gather``: torch's DDP, then ``torch.distributed.nn.functional.all_gather`` of the outputs and the loss on
+  the full batch;
+* ``dpfast gather`` / ``dpfast per-rank gather``: ``gather_outputs=True``, the loss on the gathered outputs.
+
+Target: ``dpfast`` <= 1.10x ``torch``, and the gather variants <= 1.10x ``torch+gather``. The collectives each step
+issues are counted too (as ``tests/test_distributed_checks.py`` does, on separate wrappers whose DDP reducer runs
+through torch's Python default comm hook, so that the counter sees it).
+
+**Balance.** Long-tailed per-sample costs (token counts), 4 ranks, 16 samples per rank and step: the slowest rank's
+cost over the mean rank's, per step, with ``torch.utils.data.DistributedSampler`` (+ ``BatchSampler``) against
+``dpfast.distributed.BalancedBatchSampler`` (global batches of 64), for a shuffled dataset and a length-bucketed
+one; and the epoch's cost when every step waits for its slowest rank.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+import dpfast
+from dpfast.distributed import BalancedBatchSampler, shard_range
+
+WORLD, BATCH = 2, 64
+RATIOS = [
+    ("torch (again)", "torch"),  # the noise floor: the same step, timed as another variant
+    ("dpfast", "torch"),
+    ("dpfast unchecked", "torch"),
+    ("dpfast per-rank", "torch"),
+    ("dpfast gather", "torch+gather"),
+    ("dpfast per-rank gather", "torch+gather"),
+]
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "_broadcast_coalesced", "scatter")
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def _steps(count: bool) -> dict:
+    """The step of every variant on this rank (``count``: torch's reducer through the Python default hook)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(BATCH, 64, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+    mine = shard_range(BATCH, rank, world)
+    xs, ys = x[mine.start : mine.stop], y[mine.start : mine.stop]
+    torch_ddp, torch_gather = nn.parallel.DistributedDataParallel(_mlp()), nn.parallel.DistributedDataParallel(_mlp())
+    ours = {
+        "dpfast": dpfast.DistributedDataParallel(_mlp()),
+        "dpfast unchecked": dpfast.DistributedDataParallel(_mlp(), check_batch=False),
+        "dpfast per-rank": dpfast.DistributedDataParallel(_mlp(), inputs="per_rank"),
+        "dpfast gather": dpfast.DistributedDataParallel(_mlp(), gather_outputs=True),
+        "dpfast per-rank gather": dpfast.DistributedDataParallel(_mlp(), inputs="per_rank", gather_outputs=True),
+    }
+    if count:
+        for m in [torch_ddp, torch_gather, ours["dpfast gather"], ours["dpfast per-rank gather"]]:
+            m.register_comm_hook(None, default_hooks.allreduce_hook)
+
+    def step(model, inputs, target, gather_by_hand=False):
+        def run():
+            model.zero_grad(set_to_none=True)
+            out = model(inputs)
+            if gather_by_hand:
+                out = torch.cat(dist_nn.all_gather(out))
+            F.cross_entropy(out, target).backward()
+
+        return run
+
+    return {
+        "torch": step(torch_ddp, xs, ys),
+        "torch (again)": step(torch_ddp, xs, ys),
+        "dpfast": step(ours["dpfast"], x, ys),
+        "dpfast unchecked": step(ours["dpfast unchecked"], x, ys),
+        "dpfast per-rank": step(ours["dpfast per-rank"], xs, ys),
+        "torch+gather": step(torch_gather, xs, y, gather_by_hand=True),
+        "dpfast gather": step(ours["dpfast gather"], x, y),
+        "dpfast per-rank gather": step(ours["dpfast per-rank gather"], xs, y),
+    }
+
+
+def _timed(variants: dict, budget_s: float, rounds: int) -> dict:
+    """Seconds per step of every variant in every round, the same iterations on every rank (rank 0 decides)."""
+    for fn in variants.values():
+        for _ in range(5):
+            fn()
+    probe = []
+    for fn in variants.values():
+        t = time.perf_counter()
+        for _ in range(3):
+            fn()
+        probe.append((time.perf_counter() - t) / 3)
+    iters = [max(3, int(budget_s / rounds / len(variants) / max(probe)))]
+    dist.broadcast_object_list(iters, 0)
+    names = list(variants)
+    samples: dict = {k: [] for k in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            dist.barrier()
+            t = time.perf_counter()
+            for _ in range(iters[0]):
+                variants[name]()
+            samples[name].append((time.perf_counter() - t) / iters[0])
+    return samples
+
+
+def _counting(calls: list, name: str, fn):
+    def wrapper(*args, **kwargs):
+        calls.append(f"{name}{'' if kwargs.get('async_op') else ' (blocking)'}")
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _counted(variants: dict, steps: int = 5) -> dict:
+    """Collectives per step of every variant, as "name" or "name (blocking)" -> count."""
+    out = {}
+    for name, fn in variants.items():
+        for _ in range(3):
+            fn()
+        calls: list = []
+        saved = {n: getattr(dist, n) for n in _COLLECTIVES}
+        for n, f in saved.items():
+            setattr(dist, n, _counting(calls, n, f))
+        try:
+            for _ in range(steps):
+                fn()
+        finally:
+            for n, f in saved.items():
+                setattr(dist, n, f)
+        out[name] = {k: v / steps for k, v in collections.Counter(calls).items()}
+    return out
+
+
+def _worker(rank: int, port: int, outdir: str, budget_s: float, rounds: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
+    try:
+        samples = _timed(_steps(count=False), budget_s, rounds)
+        counts = _counted(_steps(count=True))
+        if rank == 0:
+            with open(os.path.join(outdir, "ddp.json"), "w") as f:
+                json.dump({"samples": samples, "counts": counts}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_steps(budget_s: float, rounds: int) -> dict:
+    """The step-time rows (spawns the two ranks)."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as outdir:
+        args = (_free_port(), outdir, budget_s, rounds)
+        procs = [ctx.Process(target=_worker, args=(r, *args)) for r in range(WORLD)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(30 * budget_s + 120)
+            if p.is_alive():
+                p.kill()
+        with open(os.path.join(outdir, "ddp.json")) as f:
+            raw = json.load(f)
+    samples = raw["samples"]
+    times = {k: statistics.median(v) for k, v in samples.items()}
+    ratios = {f"{a}/{b}": statistics.median(p / q for p, q in zip(samples[a], samples[b])) for a, b in RATIOS}
+    return {"seconds": times, "ratios": ratios, "collectives per step": raw["counts"], "rounds": rounds}
+
+
+def _token_counts(n: int, seed: int = 0) -> torch.Tensor:
+    """Long-tailed sequence lengths (log-normal, median about 55 tokens, a tail to 2048)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.exp(4.0 + 0.9 * torch.randn(n, generator=g)).long().clamp(1, 2048)
+
+
+def _bucketed(costs: torch.Tensor, chunk: int, seed: int = 0) -> torch.Tensor:
+    """A length-bucketed order: sorted by length within chunks of ``chunk`` samples, the chunks shuffled."""
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(costs), generator=g)
+    chunks = [c[torch.argsort(costs[c])] for c in order.split(chunk)]
+    return torch.cat([chunks[i] for i in torch.randperm(len(chunks), generator=g).tolist()])
+
+
+def _step_shares(batches_per_rank: list, costs: torch.Tensor) -> list[list[int]]:
+    return [[int(costs[b].sum()) for b in step] for step in zip(*batches_per_rank)]
+
+
+def _summary(steps: list[list[int]]) -> dict:
+    slow = sorted(max(s) / (sum(s) / len(s)) for s in steps)
+    return {
+        "slowest/mean (mean over steps)": statistics.fmean(slow),
+        "slowest/mean (p95)": slow[int(0.95 * (len(slow) - 1))],
+        "epoch cost (sum of slowest)": sum(max(s) for s in steps),
+    }
+
+
+def run_balance(world: int = 4, per_rank: int = 16, n: int = 16384) -> dict:
+    """DistributedSampler against BalancedBatchSampler on shuffled and length-bucketed long-tailed costs."""
+    rows = {}
+    for order_name in ("shuffled", "length-bucketed"):
+        costs = _token_counts(n)
+        if order_name == "length-bucketed":
+            costs = costs[_bucketed(costs, 50 * world * per_rank)]
+        shuffle = order_name == "shuffled"
+        dataset = list(range(n))
+        theirs = [
+            list(
+                torch.utils.data.BatchSampler(
+                    torch.utils.data.DistributedSampler(dataset, world, r, shuffle=shuffle, seed=0), per_rank, True
+                )
+            )
+            for r in range(world)
+        ]
+        ours = [
+            list(BalancedBatchSampler(costs, world * per_rank, r, world, shuffle=shuffle, seed=0, drop_last=True))
+            for r in range(world)
+        ]
+        a, b = _summary(_step_shares(theirs, costs)), _summary(_step_shares(ours, costs))
+        rows[order_name] = {
+            "DistributedSampler": a,
+            "BalancedBatchSampler": b,
+            "epoch cost ratio": b["epoch cost (sum of slowest)"] / a["epoch cost (sum of slowest)"],
+        }
+    return {"world": world, "per_rank_batch": per_rank, "samples": n, "rows": rows}
+
+
+def run_ddp(quick: bool, budget_s: float, rounds: int) -> dict:
+    steps = run_steps(budget_s, rounds if quick else 2 * rounds)
+    return {"steps": steps, "balance": run_balance(n=4096 if quick else 16384)}
+
+
+def print_ddp(result: dict) -> None:
+    s = result["steps"]
+    print(
+        f"\nDistributedDataParallel training step: {WORLD} gloo ranks on this machine, 1 intra-op thread each, a "
+        f"64-128-10 MLP at B = {BATCH}; {s['rounds']} interleaved rounds, medians"
+    )
+    print(f"{'variant':<24} {'ms / step':>10}  collectives per step")
+    for name, sec in s["seconds"].items():
+        counts = ", ".join(f"{v:g} {k}" for k, v in sorted(s["collectives per step"][name].items()))
+        print(f"{name:<24} {1e3 * sec:>10.3f}  {counts}")
+    for key, value in s["ratios"].items():
+        verdict = (
+            "(noise floor)"
+            if key.startswith("torch (again)")
+            else f"target <= 1.10: {'met' if value <= 1.10 else 'NOT met'}"
+        )
+        print(f"{key:<40} {value:>6.3f}   {verdict}")
+    b = result["balance"]
+    print(
+        f"\nPer-rank loading, {b['world']} ranks x {b['per_rank_batch']} samples per step, {b['samples']} "
+        "long-tailed costs: the slowest rank's cost / the mean rank's"
+    )
+    print(f"{'dataset order':<16} {'sampler':<22} {'mean':>7} {'p95':>7}  epoch (sum of slowest)")
+    for order, row in b["rows"].items():
+        for sampler in ("DistributedSampler", "BalancedBatchSampler"):
+            r = row[sampler]
+            print(
+                f"{order:<16} {sampler:<22} {r['slowest/mean (mean over steps)']:>7.3f} {r['slowest/mean (p95)']:>7.3f}"
+                f"  {r['epoch cost (sum of slowest)']:>10}"
+            )
+        print(f"{'':<16} {'epoch: balanced / distributed':<39} {row['epoch cost ratio']:.3f}")
+
+
+def plot_ddp(result: dict, path: str) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    ratios = result["steps"]["ratios"]
+    a1.barh(list(ratios), list(ratios.values()))
+    a1.axvline(1.10, color="gray", ls="--", lw=1, label="target 1.10")
+    a1.set_xlabel("time per step, ratio (lower is better)")
+    a1.set_title(f"DDP step, {WORLD} gloo ranks")
+    a1.legend()
+    rows = result["balance"]["rows"]
+    labels, values = [], []
+    for order, row in rows.items():
+        for sampler in ("DistributedSampler", "BalancedBatchSampler"):
+            labels.append(f"{order}\n{sampler}")
+            values.append(row[sampler]["slowest/mean (mean over steps)"])
+    a2.barh(labels, values)
+    a2.axvline(1.0, color="gray", ls=":", lw=1)
+    a2.set_xlabel("slowest rank / mean rank, per step (1 is perfect)")
+    a2.set_title("per-rank loading, long-tailed costs")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

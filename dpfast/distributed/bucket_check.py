@@ -1,0 +1,155 @@
+"""Without ``gather_outputs``, the step's check rides in DDP's first gradient bucket: no collective is added.
+
+DDP all-reduces each gradient bucket once per synchronized backward. Here the first bucket's all-reduce carries a
+table of ``W`` rows after the gradients: rank ``r`` writes its check row (status, forwards, and the 64-bit
+fingerprint in 16-bit pieces, or 8-bit ones for a 16-bit float bucket, so every value is exact in the bucket's
+dtype) into row ``r`` and zeros elsewhere, so the sum is every rank's row. The table is read when ``backward()``
+ends, after DDP's reducer waited for its buckets (so reading it waits for nothing), and a disagreement raises from
+``backward()`` on every rank, before an optimizer step can use the gradients.
+
+On CUDA reading the table would be a host-device sync; it is copied to pinned memory instead and read at the next
+forward, so there a disagreement raises one step late.
+
+A comm hook the user registers (:meth:`DistributedDataParallel.register_comm_hook`) still runs on every bucket;
+the table then takes one all-reduce of its own, beside the first bucket's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from .exchanges import RankGroup
+
+_MASK64 = (1 << 64) - 1
+
+
+def _piece_bits(dtype: torch.dtype) -> int:
+    return 8 if dtype in (torch.float16, torch.bfloat16) else 16
+
+
+def _row_width(bits: int) -> int:
+    return 2 + 64 // bits
+
+
+def encode_row(row: Sequence[int], bits: int) -> list[int]:
+    """``(status, fingerprint, forwards)`` as small non-negative integers, each below ``2 ** bits``."""
+    status, fp, forwards = row
+    fp &= _MASK64
+    mask = (1 << bits) - 1
+    return [status & mask, forwards & mask] + [(fp >> (bits * k)) & mask for k in range(64 // bits)]
+
+
+def decode_row(values: Sequence[float], bits: int) -> list[int]:
+    ints = [int(v) for v in values]
+    fp = sum(piece << (bits * k) for k, piece in enumerate(ints[2:]))
+    return [ints[0], fp - (1 << 64) if fp >> 63 else fp, ints[1]]
+
+
+class BucketCheck:
+    """The comm hook carrying the check rows (see the module docstring). ``row()`` gives this rank's row when the
+    first bucket is ready; ``verify(rows)`` gets every rank's rows once backward has ended (and raises on every
+    rank when they disagree)."""
+
+    def __init__(
+        self, group: RankGroup, row: Callable[[], list[int]], verify: Callable[[list[list[int]]], None]
+    ) -> None:
+        self.group = group
+        self.row = row
+        self.verify = verify
+        self.user_hook: tuple[Any, Callable] | None = None
+        # (all-reduced buffer, table offset, bits, work to wait for or None)
+        self._pending: tuple[torch.Tensor, int, int, Any] | None = None
+        self._deferred: tuple[torch.Tensor, Any, int] | None = None  # CUDA: (pinned table, event, bits)
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._last_row: tuple | None = None
+
+    def hook(self, state, bucket):  # unannotated: DDP checks annotations, and these would be strings here
+        """The comm hook: the first bucket carries the table; the others are DDP's default (or the user's)."""
+        if bucket.index() != 0:
+            if self.user_hook is not None:
+                return self.user_hook[1](self.user_hook[0], bucket)
+            return default_hooks.allreduce_hook(self.group.process_group, bucket)
+        if self.user_hook is not None:
+            return self._beside_user_hook(bucket)
+        buf = bucket.buffer()
+        n, bits = buf.numel(), _piece_bits(buf.dtype)
+        full = self._table(n, buf.dtype, buf.device, bits)
+        torch.div(buf, self.group.world, out=full[:n])  # as DDP's default hook: divide, then sum
+        fut = dist.all_reduce(full, group=self.group.process_group, async_op=True).get_future()
+        self._pending = (full, n, bits, None)  # the reducer waits for fut before the read
+        self._read_after_backward()
+        return fut.then(lambda f: f.value()[0][:n])
+
+    def _table(self, n: int, dtype: torch.dtype, device: torch.device, bits: int) -> torch.Tensor:
+        """``n`` elements for the gradients, then the table with this rank's row filled in. The buffer is kept
+        for the next step: DDP copies the gradients out, and the table is read, before the next backward."""
+        g, k = self.group, _row_width(bits)
+        full = self._buffers.get((n, dtype, device))
+        if full is None:
+            full = self._buffers[(n, dtype, device)] = torch.empty(n + g.world * k, dtype=dtype, device=device)
+        full[n:].zero_()
+        at = n + g.rank * k
+        full[at : at + k] = self._encoded(tuple(self.row()), bits, dtype)
+        return full
+
+    def _encoded(self, row: tuple, bits: int, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's row as a tensor; the same row (the same batch structure) step after step is made once."""
+        key = (row, bits, dtype)
+        if self._last_row is None or self._last_row[0] != key:
+            self._last_row = (key, torch.tensor(encode_row(row, bits), dtype=dtype))
+        return self._last_row[1]
+
+    def _beside_user_hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        state, hook = self.user_hook  # type: ignore[misc]
+        buf = bucket.buffer()
+        bits = _piece_bits(buf.dtype)
+        table = self._table(0, buf.dtype, buf.device, bits)
+        work = dist.all_reduce(table, group=self.group.process_group, async_op=True)
+        self._pending = (table, 0, bits, work)
+        self._read_after_backward()
+        return hook(state, bucket)
+
+    def _read_after_backward(self) -> None:
+        """Read the table once DDP's reducer has finished the backward: a callback queued now runs before the
+        reducer's own (queued when its last bucket is ready), so it queues the read behind it."""
+        queue = torch.autograd.Variable._execution_engine.queue_callback
+        with contextlib.suppress(RuntimeError):  # not in a backward: DDP shadowing one (the caller reads it)
+            queue(lambda: queue(self.read))
+
+    def read(self) -> None:
+        """Check the rows of the last all-reduced table (on CUDA: copy them to the host, read at the next
+        forward). A no-op when none is pending."""
+        if self._pending is None:
+            return
+        full, n, bits, work = self._pending
+        self._pending = None
+        if work is not None:
+            work.wait()
+        table = full[n:]
+        if table.is_cuda:
+            host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
+            host.copy_(table, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._deferred = (host, event, bits)
+            return
+        self.verify(self._rows(table.tolist(), bits))
+
+    def read_deferred(self) -> None:
+        """CUDA: check the table the last backward copied to the host (its copy has long finished)."""
+        if self._deferred is None:
+            return
+        host, event, bits = self._deferred
+        self._deferred = None
+        event.synchronize()
+        self.verify(self._rows(host.tolist(), bits))
+
+    def _rows(self, values: list[float], bits: int) -> list[list[int]]:
+        k = _row_width(bits)
+        return [decode_row(values[r * k : (r + 1) * k], bits) for r in range(self.group.world)]

@@ -1,0 +1,250 @@
+"""When the ranks check that they agree (issue 27, item 4): inside collectives the step runs anyway, so a step costs no
+collective and no blocking call more than torch's DDP step; and the guarantee holds on every step, not only the
+first: a mismatch or a rank that cannot plan its call is a clear error on every rank, never a hang.
+
+Before, every forward ran one blocking all-gather of its own (and gather_outputs two more): more collectives, and
+more blocking calls, than torch's DDP step (plus torch.distributed.nn.functional.all_gather of the outputs).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+import dpfast
+
+from ddp_harness import GroupRuns, expect_batch_error, losses_loss, xy
+from dp_testing import DT, Losses
+
+_COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "broadcast",
+    "_broadcast_coalesced",
+    "all_to_all",
+    "all_to_all_single",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "gather",
+    "reduce",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "barrier",
+)
+
+
+@contextlib.contextmanager
+def _counting():
+    """Every torch.distributed collective called from Python (DDP's reducer runs them through the Python comm hook
+    the caller registers), as (name, blocking)."""
+    calls: list[tuple[str, bool]] = []
+    saved = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls.append((name, not kwargs.get("async_op", False)))
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    for name, fn in saved.items():
+        setattr(dist, name, counted(name, fn))
+    try:
+        yield calls
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def _per_step(step, steps=4):
+    for _ in range(3):  # warm up: the first call's check, DDP's bucket rebuild, the exchange's capacity
+        step()
+    with _counting() as calls:
+        for _ in range(steps):
+            step()
+    counts = collections.Counter(calls)
+    return {k: v / steps for k, v in counts.items()}
+
+
+def _blocking(counts):
+    return sum(v for (_, blocking), v in counts.items() if blocking)
+
+
+def _total(counts):
+    return sum(counts.values())
+
+
+class BNNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.bn = nn.BatchNorm1d(3)
+
+    def forward(self, x):
+        return self.bn(self.lin(x))
+
+
+def _steps(factory, gather, inputs_mode):
+    """A torch DDP step on this rank's rows and a dpfast one (global batch or per-rank rows), the same model."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    x = torch.randn(8 * world, 4, dtype=DT)
+    mine = x[8 * rank : 8 * (rank + 1)]
+    plain = nn.parallel.DistributedDataParallel(factory().to(DT))
+    plain.register_comm_hook(None, default_hooks.allreduce_hook)  # so the counter sees its all-reduce
+    kwargs = dict(gather_outputs=gather, inputs=inputs_mode)
+    ddp = dpfast.DistributedDataParallel(factory().to(DT), **kwargs)
+    if gather:
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+
+    def torch_step():
+        plain.zero_grad()
+        out = plain(mine)
+        if gather:
+            out = torch.cat(dist_nn.all_gather(out))
+        out.pow(2).mean().backward()
+
+    def dpfast_step():
+        ddp.zero_grad()
+        ddp(x if inputs_mode == "global" else mine).pow(2).mean().backward()
+
+    return torch_step, dpfast_step
+
+
+def _no_more_than_torch(factory, gather, inputs_mode):
+    torch_step, dpfast_step = _steps(factory, gather, inputs_mode)
+    theirs, ours = _per_step(torch_step), _per_step(dpfast_step)
+    assert _total(ours) <= _total(theirs), f"collectives per step: dpfast {dict(ours)}, torch {dict(theirs)}"
+    assert _blocking(ours) <= _blocking(theirs), f"blocking calls per step: dpfast {dict(ours)}, torch {dict(theirs)}"
+
+
+def _mismatch_later(gather):
+    """Step 1 agrees; at step 2 rank 1 has another B: every rank raises (in forward with gather_outputs, from
+    backward() without), before any optimizer step could use the gradients."""
+    rank = dist.get_rank()
+    module = Losses().to(DT)
+    ddp = dpfast.DistributedDataParallel(module, out_dims=("mean", "sum", 0), gather_outputs=gather)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+
+    def step(b):
+        opt.zero_grad()
+        losses_loss(ddp(*xy(b))).backward()
+        opt.step()
+
+    step(5)
+    before = [p.detach().clone() for p in module.parameters()]
+    expect_batch_error(lambda: step(5 + rank), contains=("B differs across ranks",))
+    assert all(torch.equal(p, q) for p, q in zip(module.parameters(), before)), "an optimizer step ran"
+    step(5)  # the group is still usable
+
+
+def _bad_inputs_later(module_factory, gather, no_grad):
+    """A ScatterError on rank 1 only, after the first call: rank 1 keeps step with the others (their collectives
+    replayed, its check row saying why) and every rank raises at the step's check."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ddp = dpfast.DistributedDataParallel(module_factory().to(DT), gather_outputs=gather)
+    x = torch.randn(6, 4, dtype=DT)
+    y = torch.randn(6, 2, dtype=DT)
+    ctx = torch.no_grad() if no_grad else contextlib.nullcontext()
+
+    def step(y):
+        with ctx:
+            out = ddp(x, y)
+        if not no_grad:
+            out.sum().backward()
+
+    step(y)
+    expect_batch_error(lambda: step(y[:5] if rank == 1 else y), contains=("rank 1 could not split its inputs",))
+    step(y)
+
+
+class WithTarget(nn.Module):
+    """A model with a per-sample second input (so a batch can be inconsistent on one rank)."""
+
+    def __init__(self, sync=False):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.bn = dpfast.nn.SyncBatchNorm(2) if sync else nn.Identity()
+
+    def forward(self, x, y):
+        return self.bn(self.lin(x)) - y
+
+
+def _no_sync_chain():
+    """Under no_sync() no gradient is all-reduced, so the checks of the accumulation steps travel with the next
+    synchronized backward: a mismatch in the first micro-batch raises there, before the optimizer step."""
+    rank = dist.get_rank()
+    ddp = dpfast.DistributedDataParallel(Losses().to(DT), out_dims=("mean", "sum", 0))
+    losses_loss(ddp(*xy(4))).backward()
+    with ddp.no_sync():
+        losses_loss(ddp(*xy(4 + (rank == 1)))).backward()  # no collective: nothing raises yet
+        losses_loss(ddp(*xy(4))).backward()
+    expect_batch_error(lambda: losses_loss(ddp(*xy(4))).backward(), contains=("B differs across ranks",))
+    losses_loss(ddp(*xy(4))).backward()
+
+
+def _forward_counts_differ():
+    rank = dist.get_rank()
+    ddp = dpfast.DistributedDataParallel(Losses().to(DT), out_dims=("mean", "sum", 0))
+    losses_loss(ddp(*xy(4))).backward()
+    if rank == 0:
+        ddp(*xy(4))  # a forward whose outputs are dropped
+    expect_batch_error(lambda: losses_loss(ddp(*xy(4))).backward(), contains=("different number of times",))
+
+
+def _user_comm_hook():
+    """A comm hook of the user's runs on every bucket, and the check still catches a mismatch (its table then
+    takes an all-reduce of its own)."""
+    rank = dist.get_rank()
+    seen = []
+
+    def hook(state, bucket):
+        seen.append(bucket.index())
+        return default_hooks.allreduce_hook(None, bucket)
+
+    ddp = dpfast.DistributedDataParallel(nn.Linear(4, 2).to(DT))
+    ddp.register_comm_hook(None, hook)
+    x = torch.randn(4, 4, dtype=DT)
+    F.mse_loss(ddp(x), torch.zeros(ddp.share.size, 2, dtype=DT)).backward()
+    assert seen, "the user's hook did not run"
+    expect_batch_error(lambda: ddp(x[: 4 - rank]).sum().backward(), contains=("B differs across ranks",))
+
+
+def _scenarios(world):
+    out = {}
+    for mode in ("global", "per_rank"):
+        for gather in (False, True):
+            name = f"no_more_collectives_than_torch_{mode}{'_gather' if gather else ''}"
+            out[name] = functools.partial(_no_more_than_torch, lambda: nn.Linear(4, 3), gather, mode)
+    out["no_more_collectives_than_torch_with_buffers"] = functools.partial(_no_more_than_torch, BNNet, False, "global")
+    out["mismatch_later"] = functools.partial(_mismatch_later, False)
+    out["mismatch_later_gather"] = functools.partial(_mismatch_later, True)
+    for gather in (False, True):
+        for sync in (False, True):
+            for no_grad in (False, True):
+                name = f"bad_inputs_later{'_sync_bn' if sync else ''}{'_gather' if gather else ''}"
+                name += "_no_grad" if no_grad else ""
+                out[name] = functools.partial(_bad_inputs_later, functools.partial(WithTarget, sync), gather, no_grad)
+    out["no_sync_chain"] = _no_sync_chain
+    out["forward_counts_differ"] = _forward_counts_differ
+    out["user_comm_hook"] = _user_comm_hook
+    return out
+
+
+RUNS = GroupRuns(_scenarios, worlds=(2, 3))
+test_group_ran_every_scenario = RUNS.group_test()
+test_scenario = RUNS.scenario_test()

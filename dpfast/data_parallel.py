@@ -12,11 +12,12 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import Any, Callable, Union
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from .ext.op_checks import DeviceLike
 from .move.gather import gather_outputs
 from .move.scatter import move_tree, scatter_tree
 from .plan.call_plan import CallPlan, passthrough_plan, plan_call
@@ -27,8 +28,6 @@ from .run.replicas import ReplicaCache, replicate_once
 from .run.workers import WorkerPool
 from .trees.binding import ArgumentSpecs, forward_of
 from .trees.specs import Spec, validate_spec
-
-DeviceLike = Union[int, str, torch.device]
 
 __all__ = ["DataParallel"]
 

@@ -18,8 +18,8 @@ from torch import Tensor
 from . import reference
 from .ext import op_checks as checks
 from .ext.loader import LOADED
+from .ext.op_checks import DeviceLike
 
-DeviceLike = Union[int, str, torch.device]
 State = Union[Tensor, tuple]
 
 __all__ = [

@@ -13,8 +13,8 @@ import torch
 from torch import Tensor
 
 from .ext import op_checks as checks
+from .ext.op_checks import DeviceLike
 
-DeviceLike = Union[int, str, torch.device]
 State = Union[Tensor, tuple]
 
 __all__ = [

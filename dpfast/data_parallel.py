@@ -21,12 +21,12 @@ from .ext.op_checks import DeviceLike
 from .move.gather import gather_outputs
 from .move.scatter import move_tree, scatter_tree
 from .plan.call_plan import CallPlan, passthrough_plan, plan_call
-from .plan.costs import CostSpec
+from .plan.costs import CostSource
 from .plan.splits import validate_chunk_sizes
 from .run.execute import run_replicas
 from .run.replicas import ReplicaCache, replicate_once
 from .run.workers import WorkerPool
-from .trees.binding import ArgumentSpecs, forward_of
+from .trees.binding import Binding, forward_of
 from .trees.specs import Spec, validate_spec
 
 __all__ = ["DataParallel"]
@@ -143,10 +143,10 @@ class DataParallel(nn.DataParallel):
         self.chunk_sizes = chunk_sizes
         # Everything about the specs is checked now, against forward's signature; only the structure of each
         # call's values is left to check per call.
-        self._specs = ArgumentSpecs(forward_of(module), in_dims, dim)
+        self._specs = Binding(forward_of(module), in_dims, dim)
         validate_spec(out_dims, "out_dims", allow_reductions=True)
         self.cost = cost
-        self._cost = None if cost is None else CostSpec(cost, self._specs)
+        self._cost = None if cost is None else CostSource(cost, self._specs)
 
         if device_ids is None and not torch.cuda.is_available():
             # like torch: no accelerator and nothing asked for -> call the module directly. output_device and the
@@ -228,7 +228,7 @@ class DataParallel(nn.DataParallel):
             return gather_outputs(outputs, self.out_dims, self.dim, self._output_device, [plan.batch_size or 0])
         devices = [d for _, d, _ in plan.replicas]
         chunk = [s for _, _, s in plan.replicas]
-        inputs_per_replica = scatter_tree(plan.tree, plan.mapped, chunk, devices)
+        inputs_per_replica = scatter_tree(plan.tree, chunk, devices)
         modules, done = self._replicas.replicate(self.module, source, devices)
         try:
             outputs = run_replicas(modules, inputs_per_replica, devices, self._pool)
@@ -277,7 +277,7 @@ class DataParallel(nn.DataParallel):
         if plan.mode == "split":
             run = [d for _, d, _ in plan.replicas]
             sizes = [s for _, _, s in plan.replicas]
-            parts = scatter_tree(plan.tree, plan.mapped, sizes, run)
+            parts = scatter_tree(plan.tree, sizes, run)
         else:
             run, sizes, parts = devices[:1], [plan.batch_size or 0], [move_tree(plan.tree, devices[0])]
         _scatter_records()[self] = (sizes, run)

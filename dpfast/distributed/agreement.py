@@ -33,7 +33,7 @@ def _local_summary(plan: CallPlan | None, error: BaseException | None) -> str:
     parts = [f"B = {plan.batch_size if plan.batch_size is not None else '-'}"]
     if plan.balance is not None:
         parts.append(f"split {plan.sizes} by cost")
-    parts += [f"{m.leaf.path} {shape_text(m.leaf.value)}" for m in plan.mapped]
+    parts += [f"{m.path} {shape_text(m.value)}" for m in plan.mapped]
     return ", ".join(parts)
 
 
@@ -43,10 +43,9 @@ def _fingerprint_items(plan: CallPlan | None, signature_text: str, hash_values: 
         return items
     tree = plan.tree
     items += [tree.n_args, tree.kw_keys]
-    by_leaf = {id(m.leaf): m for m in plan.mapped}
     for leaf in tree.leaves:
         v = leaf.value
-        m = by_leaf.get(id(leaf))
+        m = leaf if leaf.split is not None else None
         if m is None:
             kind = f"tensor(requires_grad={v.requires_grad})" if isinstance(v, Tensor) else type(v).__name__
             items.append((leaf.path, repr(leaf.spec), kind))

@@ -66,12 +66,12 @@ from torch import Tensor, nn
 from torch.distributed.utils import _to_kwargs
 
 from ..plan.call_plan import CallPlan, plan_call
-from ..plan.costs import CostSpec
+from ..plan.costs import CostSource
 from ..plan.errors import ScatterError
 from ..plan.splits import validate_chunk_sizes
-from ..trees.binding import ArgumentSpecs, ArgumentTree, forward_of
+from ..trees.binding import Binding, BoundArguments, forward_of
 from ..trees.flatten import unflatten
-from ..trees.specs import Spec, SpecLeaf, match_spec, validate_spec
+from ..trees.specs import Leaf, Spec, match_spec, validate_spec
 from .agreement import agree_on_batch
 from .exchanges import AverageInputGrads, RankGroup, ZeroOut
 from .outputs import gather_across_ranks
@@ -91,7 +91,7 @@ def zero_ghost_outputs(out: Any, out_dims: Spec, dim: int) -> Any:
     """A ghost's outputs counted as nothing: int-spec tensors cut to zero rows, the rest zeroed with a zero
     gradient (the graph still reaches the same parameters, so DDP's reducer sees them all)."""
     spec = dim if out_dims is None else out_dims
-    leaves: list[SpecLeaf] = []
+    leaves: list[Leaf] = []
     tdef = match_spec(out, spec, "output", dim, out_dims is not None, "out_dims", leaves)
     values = []
     for leaf in leaves:
@@ -153,9 +153,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if check_batch not in (True, False, "values"):
             raise ValueError(f"check_batch must be True, False or 'values', got {check_batch!r}")
         # Everything about the specs is checked before torch's DDP broadcasts anything.
-        specs = ArgumentSpecs(forward_of(module), in_dims, dim)
+        specs = Binding(forward_of(module), in_dims, dim)
         validate_spec(out_dims, "out_dims", allow_reductions=True)
-        cost_spec = None if cost is None else CostSpec(cost, specs)
+        cost_spec = None if cost is None else CostSource(cost, specs)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "dpfast.DistributedDataParallel needs torch.distributed: call "
@@ -237,7 +237,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self._empty_share = _EmptyShare(plan, subs, try_empty=True)
         return empty
 
-    def _average_input_grads(self, tree: ArgumentTree) -> dict:
+    def _average_input_grads(self, tree: BoundArguments) -> dict:
         """The call's tensor inputs that require grad, seen through one :class:`AverageInputGrads` node."""
         if not torch.is_grad_enabled():
             return {}

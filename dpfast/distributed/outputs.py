@@ -16,8 +16,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
-from ..trees.flatten import TreeDef, unflatten
-from ..trees.specs import Spec, SpecLeaf, match_spec
+from ..trees.containers import TreeDef
+from ..trees.flatten import unflatten
+from ..trees.specs import Leaf, Spec, match_spec
 from .exchanges import Exchange, OutputExchange, RankGroup, fingerprint
 from .sharding import Share
 
@@ -27,7 +28,7 @@ class _Leaves:
     """The output's leaves sorted for one exchange: numbers under "sum"/"mean" travel as 0-dim tensors."""
 
     tdef: TreeDef | None = None
-    leaves: list[SpecLeaf] = dataclasses.field(default_factory=list)
+    leaves: list[Leaf] = dataclasses.field(default_factory=list)
     slots: list[tuple] = dataclasses.field(default_factory=list)  # per leaf: ("keep",) | ("t", index, number type)
     tensors: list[Tensor] = dataclasses.field(default_factory=list)
     kinds: list[str] = dataclasses.field(default_factory=list)  # per tensor: "cat" | "red"

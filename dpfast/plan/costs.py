@@ -30,18 +30,19 @@ from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
 from ..ext.loader import C
-from ..trees.binding import ArgumentSpecs
-from ..trees.flatten import child_path, describe_value
+from ..trees.binding import Binding, BoundArguments
+from ..trees.containers import child_path, describe_value
 from .splits import WidePrefix
 
 _INT64_MAX = 2**63 - 1
 _WHAT = "costs are one number per sample: a 1-D tensor, a list or tuple of numbers, or a PackedSequence"
 
 
-class CostSpec:
-    """``cost=`` checked against ``forward``'s signature once; :meth:`read` takes one call's costs."""
+class CostSource:
+    """Where a call's per-sample costs come from (``cost=``), checked against ``forward``'s signature once;
+    :meth:`read` takes one call's costs from its bound arguments."""
 
-    def __init__(self, cost: str | Callable[..., Any], specs: ArgumentSpecs):
+    def __init__(self, cost: str | Callable[..., Any], specs: Binding):
         self.specs = specs
         self.fn: Callable[..., Any] | None = None
         self.keys: list[tuple[str, Any]] = []
@@ -72,42 +73,34 @@ class CostSpec:
                     'path at args or kwargs ("args[1]", "kwargs[\'lengths\']"), or give cost a callable'
                 )
             return
-        known = s.pos_names + sorted(s.named - set(s.pos_names)) + [n for n in (s.var_pos, s.var_kw) if n]
+        known = s.known_names
         if self.root not in known and s.var_kw is None:
             raise TypeError(
                 f"cost={cost!r} names no parameter of {s.signature_text}; known names: "
                 f"{', '.join(known) if known else '(none)'}"
             )
 
-    def read(self, args: Sequence[Any], kwargs: dict[str, Any], batch: int) -> Costs:
+    def read(self, call: BoundArguments, batch: int) -> Costs:
         """This call's costs as exact integers; raises ``TypeError``/``ValueError`` naming ``cost``."""
         if self.fn is not None:
             try:
-                value = self.fn(*args, **kwargs)
+                value = self.fn(*call.args, **call.kwargs)
             except Exception as exc:  # noqa: BLE001 - reworded with `cost` in it, so a rank can report it too
                 kind = TypeError if isinstance(exc, TypeError) else ValueError
                 raise kind(f"{self.label} raised {type(exc).__name__}: {exc}") from exc
         else:
-            value = self._value(args, kwargs)
+            value = self._value(call)
         return read_costs(value, batch, self.label)
 
-    def _value(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        s, name = self.specs, self.root
-        if not s.has_signature:
-            value: Any = tuple(args) if name == "args" else dict(kwargs)
-        elif name in s.pos_names and s.pos_names.index(name) < len(args):
-            value = args[s.pos_names.index(name)]
-        elif name == s.var_pos:
-            value = tuple(args[len(s.pos_names) :])
-        elif name == s.var_kw:
-            value = {k: v for k, v in kwargs.items() if k not in s.named and k not in s.pos_names}
-        elif name in kwargs:
-            value = kwargs[name]
-        else:
+    def _value(self, call: BoundArguments) -> Any:
+        name = self.root
+        try:
+            value = call.value_of(name)
+        except KeyError:
             raise ValueError(
                 f"{self.label}, but this call does not pass `{name}`; pass it (by position or keyword), or give "
                 "cost a callable that finds the costs in the call's arguments"
-            )
+            ) from None
         path = name
         for kind, key in self.keys:
             try:

@@ -74,6 +74,17 @@ def _scatter_records() -> weakref.WeakKeyDictionary:
     return records
 
 
+def _split(plan: CallPlan) -> tuple[list[torch.device], list[int], list[tuple[tuple, dict]]]:
+    """The devices, chunk sizes and ``(args, kwargs)`` of the replicas a plan runs: what forward and the
+    ``scatter()`` hook both run (a plan that splits nothing is one call on the first device)."""
+    if plan.mode == "split":
+        devices = [d for _, d, _ in plan.replicas]
+        sizes = [s for _, _, s in plan.replicas]
+        return devices, sizes, scatter_tree(plan.tree, sizes, devices)
+    source = plan.devices[0]
+    return [source], [plan.batch_size or 0], [move_tree(plan.tree, source)]
+
+
 class DataParallel(nn.DataParallel):
     """Split each call's batch over ``device_ids``, run a replica of ``module`` per chunk, and gather.
 
@@ -204,9 +215,14 @@ class DataParallel(nn.DataParallel):
         if not self._devices:
             return passthrough_plan(forward_of(self.module), inputs, kwargs)
         self._replicas.check_module_device(self.module, self._devices[0])
+        return self._plan_on(self._devices, inputs, kwargs)
+
+    def _plan_on(self, devices: list[torch.device], inputs: tuple, kwargs: dict) -> CallPlan:
+        """The plan of a call split over ``devices`` (``chunk_sizes`` weigh the wrapper's own devices only)."""
+        weights = self._weights if devices == self._devices else None
         return plan_call(
-            self._specs, inputs, kwargs, len(self._devices), self._weights,
-            devices=self._devices, output_device=self._output_device, cost=self._cost,
+            self._specs, inputs, kwargs, len(devices), weights,
+            devices=devices, output_device=self._output_device, cost=self._cost,
         )  # fmt: skip
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -222,19 +238,16 @@ class DataParallel(nn.DataParallel):
         if plan.mode == "direct":  # torch's single-device behaviour: the output is returned as the module gave it
             args, kw = move_tree(plan.tree, source)
             return self.module(*args, **kw)
+        devices, sizes, inputs_per_replica = _split(plan)
         if plan.mode == "once":  # B == 0, or nothing to split: one call on device_ids[0]
-            args, kw = move_tree(plan.tree, source)
-            outputs = run_replicas([self.module], [(args, kw)], [source])
-            return gather_outputs(outputs, self.out_dims, self.dim, self._output_device, [plan.batch_size or 0])
-        devices = [d for _, d, _ in plan.replicas]
-        chunk = [s for _, _, s in plan.replicas]
-        inputs_per_replica = scatter_tree(plan.tree, chunk, devices)
-        modules, done = self._replicas.replicate(self.module, source, devices)
-        try:
-            outputs = run_replicas(modules, inputs_per_replica, devices, self._pool)
-        finally:
-            done()
-        return gather_outputs(outputs, self.out_dims, self.dim, self._output_device, chunk)
+            outputs = run_replicas([self.module], inputs_per_replica, devices)
+        else:
+            modules, done = self._replicas.replicate(self.module, source, devices)
+            try:
+                outputs = run_replicas(modules, inputs_per_replica, devices, self._pool)
+            finally:
+                done()
+        return gather_outputs(outputs, self.out_dims, self.dim, self._output_device, sizes)
 
     # -- torch.nn.DataParallel's hooks, with dpfast's semantics -----------------------------------------------------
 
@@ -266,20 +279,15 @@ class DataParallel(nn.DataParallel):
         return [1] * n, self._devices[:n]
 
     def scatter(self, inputs: tuple, kwargs: dict | None, device_ids: Sequence[DeviceLike]) -> tuple[tuple, tuple]:
-        """The call's ``(args per replica, kwargs per replica)``, split by ``in_dims`` over ``device_ids`` by the
-        plan a call makes (never dropping a sample; the same errors, before anything is copied)."""
+        """The call's ``(args per replica, kwargs per replica)``, split by ``in_dims`` (and ``cost``) over
+        ``device_ids`` by the plan a call makes (never dropping a sample; the same errors, before anything is
+        copied)."""
+        if isinstance(device_ids, (str, int, torch.device)) or not device_ids:
+            raise ValueError(
+                f"device_ids must be a non-empty sequence of devices (e.g. [0, 1] or ['cpu'] * 2), got {device_ids!r}"
+            )
         devices = [_device(d, f"device_ids[{i}]") for i, d in enumerate(device_ids)]
-        weights = self._weights if devices == self._devices else None
-        plan = plan_call(
-            self._specs, inputs, kwargs or {}, len(devices), weights, devices=devices,
-            output_device=self._output_device,
-        )  # fmt: skip
-        if plan.mode == "split":
-            run = [d for _, d, _ in plan.replicas]
-            sizes = [s for _, _, s in plan.replicas]
-            parts = scatter_tree(plan.tree, sizes, run)
-        else:
-            run, sizes, parts = devices[:1], [plan.batch_size or 0], [move_tree(plan.tree, devices[0])]
+        run, sizes, parts = _split(self._plan_on(devices, inputs, kwargs or {}))
         _scatter_records()[self] = (sizes, run)
         return tuple(a for a, _ in parts), tuple(k for _, k in parts)
 

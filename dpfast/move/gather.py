@@ -84,6 +84,14 @@ def _concatenate(leaf: Leaf, spec: int, values: list[Tensor], device: torch.devi
                 "value)"
             )
         return gather_jagged(values, device)
+    if any(v.layout != torch.strided for v in values):
+        raise TypeError(
+            f"output `{leaf.path}` is a tensor with layout "
+            f"{next(v.layout for v in values if v.layout != torch.strided)}, which dpfast does not concatenate; give "
+            "it out_dims None (replica 0's value), or return it dense"
+        )
+    if any(v.is_quantized for v in values):
+        return gather_quantized(leaf, spec, values, device)
     if all(v.dim() == 0 for v in values):
         return ops.gather([v.reshape(1) for v in values], 0, device)
     ref = values[0]
@@ -223,3 +231,27 @@ def gather_packed(values: Sequence[PackedSequence], device: torch.device) -> Pac
     data = ops.gather(padded, 1, device)
     lengths = torch.cat([lens for _, lens in unpacked])
     return pack_padded_sequence(data, lengths, enforce_sorted=False)
+
+
+def gather_quantized(leaf: Leaf, spec: int, values: list[Tensor], device: torch.device) -> Tensor:
+    """Quantized chunks concatenated by torch, when that is exact: per-tensor quantized, the same dtype, scale and
+    zero point on every replica (torch requantizes anything else to the first chunk's scale)."""
+    ref = values[0]
+    per_tensor = (torch.per_tensor_affine, torch.per_tensor_symmetric)
+    same = all(
+        v.is_quantized
+        and v.qscheme() in per_tensor
+        and v.dtype == ref.dtype
+        and v.q_scale() == ref.q_scale()
+        and v.q_zero_point() == ref.q_zero_point()
+        and v.dim() == ref.dim()
+        for v in values
+    )
+    if not same or not -ref.dim() <= spec < ref.dim():
+        raise ValueError(
+            f"output `{leaf.path}` is a quantized tensor that dpfast cannot concatenate exactly along axis {spec}: it "
+            "concatenates per-tensor quantized outputs with the same dtype, scale and zero point on every replica "
+            "(here they differ, are per channel, or lack the axis). Dequantize it in forward, or give it out_dims "
+            "None (replica 0's value)"
+        )
+    return torch.cat([v.to(device) for v in values], spec % ref.dim())

@@ -84,8 +84,10 @@ def scatter_tree(
             per_leaf[leaf.index] = split_items(v, sizes, devices)
         elif how == "packed":
             per_leaf[leaf.index] = scatter_packed(v, sizes, devices)
-        else:  # jagged
+        elif how == "jagged":
             per_leaf[leaf.index] = scatter_jagged(v, sizes, devices)
+        else:  # quantized
+            per_leaf[leaf.index] = split_quantized(v, leaf.axis, sizes, devices)
     for (_, axis, perm), leaves in groups.items():
         if perm is None:
             chunks = ops.scatter([leaf.value for leaf in leaves], axis, sizes, devices)
@@ -97,6 +99,16 @@ def scatter_tree(
             per_leaf[leaf.index] = row
     # each replica gets KV caches of its own: a model updates its cache in place
     return [tree.rebuild([row[j] for row in per_leaf], own_caches=True) for j in range(n)]
+
+
+def split_quantized(q: Tensor, axis: int, sizes: Sequence[int], devices: Sequence[torch.device]) -> list[Tensor]:
+    """Chunks of a quantized tensor along ``axis``, each a contiguous copy on its device. torch narrows them (the
+    fused ops move plain dtypes; torch keeps a chunk's scale and zero point, and slices per-channel ones)."""
+    out, start = [], 0
+    for size, device in zip(sizes, devices):
+        out.append(q.narrow(axis, start, size).clone(memory_format=torch.contiguous_format).to(device))
+        start += size
+    return out
 
 
 def split_items(seq: Sequence, sizes: Sequence[int], devices: Sequence[torch.device]) -> list:

@@ -31,7 +31,7 @@ from ..trees.specs import ITEMS, Leaf
 from .batch_errors import scatter_message
 from .costs import Balance, CostSource
 from .errors import ScatterError
-from .nested import nested_problem
+from .layouts import split_method
 from .render import plan_text
 from .splits import balanced_split, split_sizes
 
@@ -39,8 +39,8 @@ from .splits import balanced_split, split_sizes
 def map_leaves(tree: BoundArguments, splitting: bool = True) -> list[Leaf]:
     """The leaves to split, each marked with how (``leaf.split``) and along which axis, with its batch size (or
     the problem that leaves it without one). A non-tensor under an explicit int spec is an error (under the
-    default it is passed by reference, as torch does), and so is a nested tensor that cannot be split, unless
-    nothing is (one device)."""
+    default it is passed by reference, as torch does), and so is a tensor that cannot be split (a sparse one, a
+    strided nested one), unless nothing is (one device)."""
     out = []
     for leaf in tree.leaves:
         v, spec = leaf.value, leaf.spec
@@ -49,11 +49,12 @@ def map_leaves(tree: BoundArguments, splitting: bool = True) -> list[Leaf]:
         if spec == ITEMS:
             leaf.split, leaf.size = "items", len(v)
         elif isinstance(v, Tensor):
-            if v.is_nested and (problem := nested_problem(v, leaf.path, spec)):
+            method, problem = split_method(leaf)
+            if problem is not None:
                 if splitting:
                     raise ValueError(problem)
                 continue
-            leaf.split = "jagged" if v.is_nested else "tensor"
+            leaf.split = method
             _batch_axis(leaf, v, spec)
         elif isinstance(v, PackedSequence):
             leaf.split, leaf.size = "packed", packed_batch(v)

@@ -113,6 +113,11 @@ def _concatenate(leaf: Leaf, spec: int, values: list[Tensor], device: torch.devi
 
 def _check_concatenable(leaf: Leaf, spec: int, values: list, sizes: Sequence[int]) -> None:
     ref = values[0]
+    if not -ref.dim() <= spec < ref.dim():
+        raise ValueError(
+            f"output `{leaf.path}` cannot be concatenated along axis {spec}: replica 0 returned shape "
+            f"{tuple(ref.shape)}, which has no axis {spec}; give it another out_dims axis, or None/'sum'/'mean'"
+        )
     for r, v in enumerate(values):
         if v.dim() != ref.dim() or not -v.dim() <= spec < v.dim():
             raise ValueError(

@@ -99,13 +99,16 @@ def choose_batch(mapped: Sequence[Leaf]) -> int | None:
     return max(counts, key=lambda s: (counts[s], -first[s]))
 
 
-def check_batch(tree: BoundArguments, mapped: Sequence[Leaf]) -> int | None:
+def check_batch(
+    tree: BoundArguments, mapped: Sequence[Leaf], parts: int, weights: Sequence[Fraction] | None
+) -> int | None:
     """``B``, or ``None`` when nothing is mapped; raises :class:`ScatterError` on any disagreement."""
     batch = choose_batch(mapped)
     bad = [m for m in mapped if m.problem is not None or m.size != batch]
     if not bad:
         return batch
-    raise ScatterError(scatter_message(tree, mapped, bad, batch))
+    chunk = min((s for s in split_sizes(batch, parts, weights) if s > 0), default=0) if batch else 0
+    raise ScatterError(scatter_message(tree, mapped, bad, batch, chunk))
 
 
 def check_input_devices(tree: BoundArguments, devices: Sequence[torch.device]) -> None:
@@ -199,7 +202,7 @@ def plan_call(
     mapped = map_leaves(tree, splitting=len(devices) != 1)
     if len(devices) == 1:  # nothing is split, so there is no batch to agree on: B is informative only
         return CallPlan("direct", tree, mapped, choose_batch(mapped), [], devices, output_device, "one device")
-    batch = check_batch(tree, mapped)
+    batch = check_batch(tree, mapped, parts, weights)
     if batch is None:
         return CallPlan("once", tree, mapped, None, [], devices, output_device, "no tensor to split")
     sizes = split_sizes(batch, parts, weights)

@@ -221,6 +221,11 @@ def _not_finite(label: str, i: int, v: Any) -> None:
 
 
 def _tensor_costs(t: Tensor, batch: int, label: str) -> Costs:
+    if t.layout != torch.strided:
+        raise TypeError(
+            f"{label} is a sparse tensor (layout {t.layout}); costs are a dense 1-D tensor: pass it .to_dense(), "
+            "or a list of numbers"
+        )
     if t.dim() != 1:
         raise TypeError(f"{label} is a Tensor of shape {tuple(t.shape)}; {_WHAT}")
     if t.dtype == torch.bool or t.is_complex():
@@ -228,7 +233,18 @@ def _tensor_costs(t: Tensor, batch: int, label: str) -> Costs:
     if t.device.type == "meta":
         raise TypeError(f"{label} is on meta; its values are needed to balance the split: pass real costs")
     _check_length(t.shape[0], batch, label)
-    t = t.detach().cpu()
+    if type(t) is Tensor:
+        return _dense_costs(t.detach().cpu(), label)
+    try:  # a subclass: read through torch's ops, which some subclasses (wrappers) do not let reach their values
+        return _dense_costs(t.detach().cpu(), label)
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        raise TypeError(
+            f"{label} is a {type(t).__name__} (a tensor subclass) whose values cannot be read ({exc}"[:300] + "); "
+            "pass the costs as a plain tensor or a list of numbers"
+        ) from exc
+
+
+def _dense_costs(t: Tensor, label: str) -> Costs:
     if t.dtype in (torch.uint16, torch.uint32, torch.uint64):  # never negative; few ops support them
         return Costs(list(accumulate(t.tolist(), initial=0)))
     native = _native_costs(t)

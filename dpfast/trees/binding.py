@@ -51,16 +51,18 @@ class Binding:
         self._warned: set[str] = set()
         if in_dims is None:
             return
-        if is_int(in_dims) or in_dims == ITEMS:
+        if is_int(in_dims) or (isinstance(in_dims, str) and in_dims == ITEMS):
             self.default = in_dims
         elif isinstance(in_dims, (tuple, list)):
             self._bind_sequence(in_dims)
         elif isinstance(in_dims, dict):
             self._bind_dict(in_dims)
         else:
+            hint = f" (an array: give in_dims={in_dims.tolist()!r})"[:200] if hasattr(in_dims, "tolist") else ""
             raise TypeError(
                 f"in_dims must be None, an int, a sequence of specs (by position) or a dict of specs keyed by "
-                f"{self.forward_name}'s parameter names; got {type(in_dims).__name__} {in_dims!r}"
+                f"{self.forward_name}'s parameter names; got {type(in_dims).__name__} {in_dims!r}"[:400]
+                + hint
             )
 
     def _read_signature(self, forward: Callable) -> None:

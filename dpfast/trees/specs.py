@@ -15,6 +15,7 @@ where the cycle closes), and reads at most :data:`MAX_VALUES` values per walk: p
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from itertools import repeat
 from typing import Any
 
@@ -109,9 +110,10 @@ def _spec_children(spec: Spec, where: Any, allow_reductions: bool) -> list[tuple
     if is_dataclass_instance(spec):  # an instance of the value's dataclass holding a spec in every field
         return [(getattr(spec, f.name, None), (where, "dataclass", f.name)) for f in dataclasses.fields(spec)]
     allowed = "an int, None, 'items', 'sum', 'mean'" if allow_reductions else "an int, None, 'items'"
+    hint = " (not a Python int: give int(...))" if isinstance(spec, numbers.Integral) else ""
     raise TypeError(
-        f"{path_text(where)} is {type(spec).__name__} {spec!r}"[:300] + f"; a spec is {allowed}, or a tuple/list/dict "
-        "(or dataclass instance) of specs mirroring the value"
+        f"{path_text(where)} is {type(spec).__name__} {spec!r}"[:300] + f"{hint}; a spec is {allowed}, or a "
+        "tuple/list/dict (or dataclass instance) of specs mirroring the value"
     )
 
 

@@ -37,10 +37,16 @@ MOVED = {
     "dpfast._sync_batchnorm": "dpfast.run.sync_batchnorm",
     "dpfast.distributed.collectives": "dpfast.distributed.exchanges",
 }
+# classes renamed since: old module -> {old class name: its name now}
+RENAMED = {
+    "dpfast._binding": {"ArgumentSpecs": "Binding"},
+    "dpfast._costs": {"CostSpec": "CostSource"},
+}
 
 
 class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Imports an old path as the very module object of its new path (so classes are identical)."""
+    """Imports an old path as the very module object of its new path (so classes are identical), or, where classes
+    were renamed, as a module that reads the new one's attributes under the old names too."""
 
     def find_spec(self, name: str, path=None, target=None):  # noqa: ANN001 - importlib's signature
         if name not in MOVED:
@@ -48,7 +54,13 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.machinery.ModuleSpec(name, self)
 
     def create_module(self, spec) -> ModuleType:  # noqa: ANN001
-        return importlib.import_module(MOVED[spec.name])
+        target = importlib.import_module(MOVED[spec.name])
+        renamed = RENAMED.get(spec.name)
+        if renamed is None:
+            return target
+        alias = ModuleType(spec.name, target.__doc__)
+        alias.__getattr__ = lambda name: getattr(target, renamed.get(name, name))  # type: ignore[method-assign]
+        return alias
 
     def exec_module(self, module: ModuleType) -> None:
         pass

@@ -58,6 +58,17 @@ def _run_leased(lease: Lease, run: Callable[[], list]) -> list:
     return outputs
 
 
+def _split(plan: CallPlan) -> tuple[list[torch.device], list[int], list[tuple[tuple, dict]]]:
+    """The devices, chunk sizes and ``(args, kwargs)`` of the replicas a plan runs: what forward and the
+    ``scatter()`` hook both run (a plan that splits nothing is one call on the first device)."""
+    if plan.mode == "split":
+        devices = [d for _, d, _ in plan.replicas]
+        sizes = [s for _, _, s in plan.replicas]
+        return devices, sizes, scatter_tree(plan.tree, sizes, devices)
+    source = plan.devices[0]
+    return [source], [plan.batch_size or 0], [move_tree(plan.tree, source)]
+
+
 # What a DataParallel derives from its public attributes, never pickled (the first layout pickled these too).
 _DERIVED = frozenset({"_settings", "_replicas", "_pool", "_specs", "_cost", "_devices", "_output_device", "_weights"})
 
@@ -210,9 +221,15 @@ class DataParallel(nn.DataParallel):
         if not s.devices:
             return passthrough_plan(forward_of(self.module), inputs, kwargs)
         self._replicas.check_module_device(self.module, s.devices[0])
+        return self._plan_on(s.devices, inputs, kwargs)
+
+    def _plan_on(self, devices: list[torch.device], inputs: tuple, kwargs: dict) -> CallPlan:
+        """The plan of a call split over ``devices`` (``chunk_sizes`` weigh the wrapper's own devices only)."""
+        s = self._settings_or_now()
+        weights = s.weights if devices == s.devices else None
         return plan_call(
-            s.specs, inputs, kwargs, len(s.devices), s.weights,
-            devices=s.devices, output_device=s.output_device, cost=s.cost,
+            s.specs, inputs, kwargs, len(devices), weights,
+            devices=devices, output_device=s.output_device, cost=s.cost,
         )  # fmt: skip
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -261,17 +278,14 @@ class DataParallel(nn.DataParallel):
         if plan.mode == "direct":  # torch's single-device behaviour: the output is returned as the module gave it
             args, kw = move_tree(plan.tree, source)
             return self.module(*args, **kw)
+        devices, sizes, inputs_per_replica = _split(plan)
         if plan.mode == "once":  # B == 0, or nothing to split: one call on device_ids[0]
-            args, kw = move_tree(plan.tree, source)
-            outputs = run_replicas([self.module], [(args, kw)], [source])
-            return gather_outputs(outputs, self.out_dims, self.dim, self._output_device, [plan.batch_size or 0])
-        devices = [d for _, d, _ in plan.replicas]
-        chunk = [s for _, _, s in plan.replicas]
-        inputs_per_replica = scatter_tree(plan.tree, plan.mapped, chunk, devices)
-        lease = self._replicas.lease(self.module, source, devices)
-        outputs = _run_leased(lease, lambda: run_replicas(lease.modules, inputs_per_replica, devices, self._pool,
-                                                          lease.watch))  # fmt: skip
-        return gather_outputs(outputs, self.out_dims, self.dim, self._output_device, chunk)
+            outputs = run_replicas([self.module], inputs_per_replica, devices)
+        else:
+            lease = self._replicas.lease(self.module, source, devices)
+            outputs = _run_leased(lease, lambda: run_replicas(lease.modules, inputs_per_replica, devices, self._pool,
+                                                              lease.watch))  # fmt: skip
+        return gather_outputs(outputs, self.out_dims, self.dim, self._output_device, sizes)
 
     # -- torch.nn.DataParallel's hooks, with dpfast's semantics -----------------------------------------------------
 
@@ -298,21 +312,16 @@ class DataParallel(nn.DataParallel):
         return [1] * n, self._devices[:n]
 
     def scatter(self, inputs: tuple, kwargs: dict | None, device_ids: Sequence[DeviceLike]) -> tuple[tuple, tuple]:
-        """The call's ``(args per replica, kwargs per replica)``, split by ``in_dims`` over ``device_ids`` by the
-        plan a call makes (never dropping a sample; the same errors, before anything is copied)."""
+        """The call's ``(args per replica, kwargs per replica)``, split by ``in_dims`` (and ``cost``) over
+        ``device_ids`` by the plan a call makes (never dropping a sample; the same errors, before anything is
+        copied)."""
         self._current_settings()
+        if isinstance(device_ids, (str, int, torch.device)) or not device_ids:
+            raise ValueError(
+                f"device_ids must be a non-empty sequence of devices (e.g. [0, 1] or ['cpu'] * 2), got {device_ids!r}"
+            )
         devices = [resolve_device(d, f"device_ids[{i}]") for i, d in enumerate(device_ids)]
-        weights = self._weights if devices == self._devices else None
-        plan = plan_call(
-            self._specs, inputs, kwargs or {}, len(devices), weights, devices=devices,
-            output_device=self._output_device,
-        )  # fmt: skip
-        if plan.mode == "split":
-            run = [d for _, d, _ in plan.replicas]
-            sizes = [s for _, _, s in plan.replicas]
-            parts = scatter_tree(plan.tree, plan.mapped, sizes, run)
-        else:
-            run, sizes, parts = devices[:1], [plan.batch_size or 0], [move_tree(plan.tree, devices[0])]
+        run, sizes, parts = _split(self._plan_on(devices, inputs, kwargs or {}))
         _scatter_records()[self] = (sizes, run)
         return tuple(a for a, _ in parts), tuple(k for _, k in parts)
 

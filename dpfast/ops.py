@@ -10,7 +10,6 @@ Result layout: ``split_contiguous`` and ``scatter`` return ``out[i][j]``, chunk 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Union
 
 import torch
 from torch import Tensor
@@ -18,9 +17,8 @@ from torch import Tensor
 from . import reference
 from .ext import op_checks as checks
 from .ext.loader import LOADED
+from .ext.op_checks import DeviceLike
 from .reference import RNNState
-
-DeviceLike = Union[int, str, torch.device]
 
 __all__ = [
     "transpose01",

@@ -7,14 +7,14 @@ Results are fresh contiguous tensors (never views of the inputs), as the fused o
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Callable, TypeVar, Union
+from typing import Any, Callable, TypeVar
 
 import torch
 from torch import Tensor
 
 from .ext import op_checks as checks
+from .ext.op_checks import DeviceLike
 
-DeviceLike = Union[int, str, torch.device]
 # An RNN state as the state conversions take it, and give it back: a tensor (GRU, RNN), an LSTM's (h, c), any
 # tuple or list of tensors. A TypeVar, so that a type checker knows `h, c = state_to_batch_first((h, c))`.
 RNNState = TypeVar("RNNState", Tensor, tuple[Tensor, Tensor], tuple[Tensor, ...], list[Tensor])

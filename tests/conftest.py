@@ -74,10 +74,10 @@ def plan_matches_call(request, monkeypatch):
     real_scatter = data_parallel.scatter_tree
     real_run = data_parallel.run_replicas
 
-    def scatter_tree(tree, mapped, sizes, devices):
+    def scatter_tree(tree, sizes, devices):
         _record("sizes", list(sizes))
         _record("scatter_devices", list(devices))
-        return real_scatter(tree, mapped, sizes, devices)
+        return real_scatter(tree, sizes, devices)
 
     def run_replicas(modules, inputs, devices, *args, **kwargs):
         _record("run_devices", list(devices))

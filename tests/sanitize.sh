@@ -42,6 +42,7 @@ status=0
 run "$(dirname "$py")/pytest" -q -p no:cacheprovider --capture=sys tests/test_ops.py tests/test_op_arguments.py \
   tests/test_memory_safety.py tests/test_native_costs.py tests/test_balance.py || status=$?
 run "$py" tests/fuzz_ops.py --seconds "${FUZZ_SECONDS:-60}" --seed "${FUZZ_SEED:-0}" || status=$?
+run "$py" tests/fuzz_structures.py --seconds "${FUZZ_SECONDS:-60}" --seed "${FUZZ_SEED:-0}" || status=$?
 
 # the tests capture their subprocesses' stderr: a report there fails the test, and shows in its output here
 if grep -E -q "ERROR: AddressSanitizer|runtime error:|SUMMARY: (Address|UndefinedBehavior)Sanitizer" "$log"; then

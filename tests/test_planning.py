@@ -175,7 +175,8 @@ def test_plan_other_leaves_and_modes():
     text = str(plan)
     assert plan.sizes == [0, 3, 2]
     assert "#1 cpu" in text and "#0 cpu" not in text  # device 0 is skipped
-    assert "h[0]  int" in text and "by reference" in text
+    # a list of plain numbers holds no tensor: one row, passed by reference
+    assert "\n  h     list[2]  0     by reference  by reference\n" in text
     assert "dpfast plan: B = 0: one call on cpu" in str(dp.plan(torch.randn(0, 2), None))
     assert "no tensor to split" in str(dp.plan([1], "a"))
     assert "B = 1 split [0, 1, 0]" in str(dp.plan(torch.randn(1, 2), None))

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import dpfast
-from dpfast.trees.binding import ArgumentSpecs, ArgumentTree
+from dpfast.trees.binding import Binding, BoundArguments
 from dpfast.trees.flatten import flatten, leaf_paths, unflatten
 
 Pair = namedtuple("Pair", ["a", "b"])
@@ -34,7 +34,7 @@ class VarArgs(nn.Module):
 
 
 def _specs_of(module, in_dims, args, kwargs=None, dim=0):
-    tree = ArgumentTree(ArgumentSpecs(module.forward, in_dims, dim), args, kwargs or {})
+    tree = BoundArguments(Binding(module.forward, in_dims, dim), args, kwargs or {})
     return {leaf.path: (leaf.spec, leaf.explicit) for leaf in tree.leaves}
 
 
@@ -303,12 +303,12 @@ def test_suggestion_for_var_args_and_no_signature():
 
     m = NoSig()
     m.forward = torch.add  # a builtin: inspect.signature cannot read it
-    specs = ArgumentSpecs(m.forward, None, 0)
+    specs = Binding(m.forward, None, 0)
     assert not specs.has_signature
     with pytest.raises(TypeError, match=r"in_dims is a dict, but the signature of .*add cannot be read"):
-        ArgumentSpecs(m.forward, {"input": 0}, 0)
-    specs = ArgumentSpecs(m.forward, [0, None], 0)
-    tree = ArgumentTree(specs, (torch.zeros(1), torch.zeros(1), torch.zeros(1)), {"alpha": 2})
+        Binding(m.forward, {"input": 0}, 0)
+    specs = Binding(m.forward, [0, None], 0)
+    tree = BoundArguments(specs, (torch.zeros(1), torch.zeros(1), torch.zeros(1)), {"alpha": 2})
     assert [(lf.path, lf.spec) for lf in tree.leaves] == [
         ("args[0]", 0),
         ("args[1]", None),

@@ -105,9 +105,8 @@ def describe_step(plan: CallPlan | None, error: BaseException | None, per_rank: 
     if not per_rank:
         items["B"] = "-" if plan.batch_size is None else str(plan.batch_size)
         items["split"] = f"{list(plan.sizes)}{' by cost' if plan.balance is not None else ''}"
-    by_leaf = {id(m.leaf): m for m in plan.mapped}
     for leaf in tree.leaves:
-        m = by_leaf.get(id(leaf))
+        m = leaf if leaf.split is not None else None
         items[leaf.path] = _leaf_text(leaf, m, per_rank)
         if hash_values and m is not None:
             items[f"{leaf.path} values"] = _values_hash(leaf, m)

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from ..run.collectives import all_gather, all_reduce
 from ..trees.flatten import unflatten
-from ..trees.specs import Spec, SpecLeaf, match_spec
+from ..trees.specs import Leaf, Spec, match_spec
 from .agreement import EMPTY_REFUSED, GHOST_COUNTED, OK
 from .exchanges import ZeroOut
 
@@ -82,7 +82,7 @@ def zero_ghost_outputs(out: Any, out_dims: Spec, dim: int) -> Any:
     """A ghost's outputs counted as nothing: int-spec tensors cut to zero rows, the rest zeroed with a zero
     gradient (the graph still reaches the same parameters, so DDP's reducer sees them all)."""
     spec = dim if out_dims is None else out_dims
-    leaves: list[SpecLeaf] = []
+    leaves: list[Leaf] = []
     tdef = match_spec(out, spec, "output", dim, out_dims is not None, "out_dims", leaves)
     values = []
     for leaf in leaves:

@@ -22,8 +22,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
-from ..trees.flatten import TreeDef, unflatten
-from ..trees.specs import Spec, SpecLeaf, match_spec
+from ..trees.containers import TreeDef
+from ..trees.flatten import unflatten
+from ..trees.specs import Leaf, Spec, match_spec
 from .agreement import NAME, DistributedBatchError, fingerprint
 from .exchanges import Exchange, GatheredOutputs, RankGroup
 
@@ -37,7 +38,7 @@ class _Leaves:
     """The output's leaves sorted for one exchange: numbers under "sum"/"mean" travel as 0-dim tensors."""
 
     tdef: TreeDef | None = None
-    leaves: list[SpecLeaf] = dataclasses.field(default_factory=list)
+    leaves: list[Leaf] = dataclasses.field(default_factory=list)
     slots: list[tuple] = dataclasses.field(default_factory=list)  # per leaf: ("keep",) | ("t", index, number type)
     tensors: list[Tensor] = dataclasses.field(default_factory=list)
     kinds: list[str] = dataclasses.field(default_factory=list)  # per tensor: "cat" | "red"
@@ -46,7 +47,7 @@ class _Leaves:
     desc: list[Any] = dataclasses.field(default_factory=list)  # what every rank must agree on
 
 
-def _reduced_leaf(got: _Leaves, leaf: SpecLeaf) -> None:
+def _reduced_leaf(got: _Leaves, leaf: Leaf) -> None:
     v, s = leaf.value, leaf.spec
     if isinstance(v, Tensor):
         t, num = v, None
@@ -65,7 +66,7 @@ def _reduced_leaf(got: _Leaves, leaf: SpecLeaf) -> None:
     got.axes.append(0)
 
 
-def _concatenated_leaf(got: _Leaves, leaf: SpecLeaf) -> None:
+def _concatenated_leaf(got: _Leaves, leaf: Leaf) -> None:
     v, s = leaf.value, leaf.spec
     if isinstance(v, PackedSequence):
         raise TypeError(

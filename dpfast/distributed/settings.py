@@ -15,8 +15,8 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from ..plan.costs import CostSpec
-from ..trees.binding import ArgumentSpecs, forward_of
+from ..plan.costs import CostSource
+from ..trees.binding import Binding, forward_of
 from ..trees.specs import validate_spec
 from .agreement import NAME, DistributedBatchError
 from .sharding import rank_weights
@@ -70,9 +70,9 @@ def check_settings(module: Any, values: dict[str, Any], process_group: Any) -> t
     if values["check_batch"] not in (True, False, "values"):
         raise ValueError(f"check_batch must be True, False or 'values', got {values['check_batch']!r}")
     check_inputs_mode(values["inputs"], values["chunk_sizes"], values["cost"], values["check_batch"])
-    specs = ArgumentSpecs(forward_of(module), values["in_dims"], values["dim"])
+    specs = Binding(forward_of(module), values["in_dims"], values["dim"])
     validate_spec(values["out_dims"], "out_dims", allow_reductions=True)
-    cost_spec = None if values["cost"] is None else CostSpec(values["cost"], specs)
+    cost_spec = None if values["cost"] is None else CostSource(values["cost"], specs)
     weights = None
     if dist.is_available() and dist.is_initialized():
         weights = rank_weights(values["chunk_sizes"], dist.get_world_size(process_group))

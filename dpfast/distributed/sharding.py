@@ -15,11 +15,11 @@ import torch.distributed as dist
 
 from ..move.nested import scatter_jagged
 from ..move.scatter import scatter_packed
-from ..plan.call_plan import CallPlan, Mapped, plan_call
-from ..plan.costs import CostSpec
+from ..plan.call_plan import CallPlan, plan_call
+from ..plan.costs import CostSource
 from ..plan.splits import split_sizes, validate_chunk_sizes
-from ..trees.binding import ArgumentSpecs, ArgumentTree
-from ..trees.specs import Spec, validate_spec
+from ..trees.binding import Binding, BoundArguments
+from ..trees.specs import Leaf, Spec, validate_spec
 from .keeping_step import EmptyShare
 
 
@@ -39,7 +39,7 @@ class Share(NamedTuple):
 
 
 def take_rows(
-    tree: ArgumentTree, mapped: Sequence[Mapped], start: int, length: int, subs: dict | None = None
+    tree: BoundArguments, mapped: Sequence[Leaf], start: int, length: int, subs: dict | None = None
 ) -> tuple[tuple, dict]:
     """The call's ``(args, kwargs)`` with every mapped leaf cut to rows ``start:start+length`` along its axis.
 
@@ -48,32 +48,28 @@ def take_rows(
     given. ``subs`` maps a leaf (by ``id``) to the value to use instead (DDP: the input seen through the node that
     averages input gradients).
     """
-    by_leaf = {id(m.leaf): m for m in mapped}
     subs = subs or {}
-    values = []
-    for leaf in tree.leaves:
-        m = by_leaf.get(id(leaf))
-        value = subs.get(id(leaf), leaf.value)
-        if m is None:
-            values.append(value)
-        elif m.is_packed:
+    values = [subs.get(id(leaf), leaf.value) for leaf in tree.leaves]
+    for m in mapped:
+        value = values[m.index]
+        if m.is_packed:
             if length == 0:
-                raise ValueError(f"`{leaf.path}` is a PackedSequence, which cannot hold zero sequences")
+                raise ValueError(f"`{m.path}` is a PackedSequence, which cannot hold zero sequences")
             # sequences start:start+length; the other ranks' rows as (at most) two chunks, never an empty one
             # (scatter_packed cannot pack zero sequences), so empty shares elsewhere and the ghost work too
-            ps = leaf.value
+            ps = m.value
             parts = [n for n in (start, length, m.size - start - length) if n]
-            values.append(scatter_packed(ps, parts, [ps.data.device] * len(parts))[1 if start else 0])
+            values[m.index] = scatter_packed(ps, parts, [ps.data.device] * len(parts))[1 if start else 0]
         elif m.is_items:
-            values.append(value[start : start + length])
+            values[m.index] = value[start : start + length]
         elif value.is_nested:  # jagged, split along axis 0 (the planning stage refuses the others)
             if length == 0:
-                raise ValueError(f"`{leaf.path}` is a jagged nested tensor, which cannot hold zero samples")
+                raise ValueError(f"`{m.path}` is a jagged nested tensor, which cannot hold zero samples")
             parts = [n for n in (start, length, m.size - start - length) if n]
-            values.append(scatter_jagged(value, parts, [value.device] * len(parts))[1 if start else 0])
+            values[m.index] = scatter_jagged(value, parts, [value.device] * len(parts))[1 if start else 0]
         else:
             v = value.narrow(m.axis, start, length)
-            values.append(v if m.axis == 0 else v.contiguous())
+            values[m.index] = v if m.axis == 0 else v.contiguous()
     return tree.rebuild(values)
 
 
@@ -211,8 +207,8 @@ def shard_batch(
     weights = rank_weights(chunk_sizes, world_size)
     if in_dims is not None:
         validate_spec(in_dims, "in_dims", allow_reductions=False)
-    specs = ArgumentSpecs(_one_batch, None if in_dims is None else {"batch": in_dims}, dim)
-    cost_spec = None if cost is None else CostSpec(cost, specs)
+    specs = Binding(_one_batch, None if in_dims is None else {"batch": in_dims}, dim)
+    cost_spec = None if cost is None else CostSource(cost, specs)
     plan = plan_call(specs, (batch,), {}, world_size, weights, cost=cost_spec)
     if plan.batch_size is None:
         return batch

@@ -16,7 +16,7 @@ from typing import Any, Union
 import torch
 from torch import Tensor
 
-DeviceLike = Union[int, str, torch.device]
+DeviceLike = Union[int, str, torch.device]  # what every device argument accepts (defined once, here)
 INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)
 

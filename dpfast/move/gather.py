@@ -17,8 +17,9 @@ from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from .. import ops
-from ..trees.flatten import describe_value, flatten_like, is_namedtuple, unflatten
-from ..trees.specs import ITEMS, Spec, SpecLeaf, match_spec
+from ..trees.containers import describe_value, is_namedtuple
+from ..trees.flatten import unflatten
+from ..trees.specs import ITEMS, Leaf, Spec, match_spec
 from .nested import gather_jagged
 from .scatter import inverse, memory_order, move, move_all
 
@@ -40,34 +41,25 @@ def gather_outputs(
     the split is uneven.
     """
     spec = dim if out_dims is None else out_dims
-    leaves0: list[SpecLeaf] = []
-    tdef = match_spec(outputs[0], spec, "output", dim, out_dims is not None, "out_dims", leaves0)
-    columns = [[leaf.value] for leaf in leaves0]
-    for r, out in enumerate(outputs[1:], start=1):
-        values = flatten_like(out, tdef)
-        if values is None:
-            raise ValueError(
-                f"replicas returned different output structures: replica 0 returned {describe_value(outputs[0])}, "
-                f"replica {r} returned {describe_value(out)}; every replica must return the same structure"
-            )
-        for col, v in zip(columns, values):
-            col.append(v)
+    leaves: list[Leaf] = []
+    # one walk over every replica's output: replica 0's leaves, each with the others' values at the same place
+    tdef = match_spec(outputs[0], spec, "output", dim, out_dims is not None, "out_dims", leaves, tuple(outputs[1:]))
     total = sum(sizes)
     weights = [s / total for s in sizes] if total > 0 else [1.0 / len(sizes)] * len(sizes)
-    combined = [_combine(leaf, col, device, weights, sizes) for leaf, col in zip(leaves0, columns)]
-    return unflatten(tdef, combined)
+    return unflatten(tdef, [_gather_leaf(leaf, [leaf.value, *leaf.others], device, weights, sizes) for leaf in leaves])
 
 
-def _combine(leaf: SpecLeaf, values: list, device: torch.device, weights: list[float], sizes: Sequence[int]) -> Any:
-    spec, path = leaf.spec, leaf.path
+def _gather_leaf(leaf: Leaf, values: list, device: torch.device, weights: list[float], sizes: Sequence[int]) -> Any:
+    """One output leaf from every replica's ``values``, combined as its spec says."""
+    spec = leaf.spec  # its path is put into words only for an error
     if all(v is None for v in values):
         return None
     if spec is None:
         return move(values[0], device)
     if spec == ITEMS:
-        return _concat_items(path, values, device)
+        return _concat_items(leaf, values, device)
     if isinstance(spec, str):
-        return _reduce(path, spec, values, device, weights)
+        return _reduce(leaf, spec, values, device, weights)
     if all(isinstance(v, PackedSequence) for v in values):
         return gather_packed(values, device)
     if not any(isinstance(v, (Tensor, PackedSequence)) for v in values):
@@ -76,21 +68,35 @@ def _combine(leaf: SpecLeaf, values: list, device: torch.device, weights: list[f
     if not all(isinstance(v, Tensor) for v in values):
         kinds = sorted({type(v).__name__ for v in values})
         raise TypeError(
-            f"output `{path}` is {'/'.join(kinds)}, which cannot be concatenated along axis {spec}; give it "
+            f"output `{leaf.path}` is {'/'.join(kinds)}, which cannot be concatenated along axis {spec}; give it "
             "out_dims None (replica 0's value), 'sum' or 'mean'"
         )
+    return _concatenate(leaf, spec, values, device, sizes)
+
+
+def _concatenate(leaf: Leaf, spec: int, values: list[Tensor], device: torch.device, sizes: Sequence[int]) -> Tensor:
+    """The replicas' tensors concatenated along ``spec`` (0-dim ones stacked), in replica 0's memory format."""
     if any(v.is_nested for v in values):
         if spec % values[0].dim() != 0 or not all(v.is_nested and v.layout == torch.jagged for v in values):
             raise ValueError(
-                f"output `{path}` is a nested tensor, which dpfast concatenates along its batch axis 0 only when every "
-                f"replica returned a jagged one (out_dims {spec}); give it out_dims 0, or None (replica 0's value)"
+                f"output `{leaf.path}` is a nested tensor, which dpfast concatenates along its batch axis 0 only when "
+                f"every replica returned a jagged one (out_dims {spec}); give it out_dims 0, or None (replica 0's "
+                "value)"
             )
         return gather_jagged(values, device)
+    if any(v.layout != torch.strided for v in values):
+        raise TypeError(
+            f"output `{leaf.path}` is a tensor with layout "
+            f"{next(v.layout for v in values if v.layout != torch.strided)}, which dpfast does not concatenate; give "
+            "it out_dims None (replica 0's value), or return it dense"
+        )
+    if any(v.is_quantized for v in values):
+        return gather_quantized(leaf, spec, values, device)
     if all(v.dim() == 0 for v in values):
         return ops.gather([v.reshape(1) for v in values], 0, device)
     ref = values[0]
     if ref.dim() == 0 or not -ref.dim() <= spec < ref.dim():
-        _check_concatenable(path, spec, values, sizes)
+        _check_concatenable(leaf, spec, values, sizes)
     axis = spec % ref.dim()
     perm = memory_order(ref)
     try:  # ops.gather checks dims, dtypes and shapes before it copies anything
@@ -99,18 +105,23 @@ def _combine(leaf: SpecLeaf, values: list, device: torch.device, weights: list[f
         else:  # replica 0 returned channels_last: gather the NHWC views (a contiguous NHWC result), view back
             out = ops.gather([v.permute(perm) for v in values], perm.index(axis), device).permute(inverse(perm))
     except (ValueError, IndexError):
-        _check_concatenable(path, spec, values, sizes)  # the same problem, worded for the output and its replicas
+        _check_concatenable(leaf, spec, values, sizes)  # the same problem, worded for the output and its replicas
         raise
-    _warn_if_batch_elsewhere(path, spec, axis, values, sizes)
+    _warn_if_batch_elsewhere(leaf, spec, axis, values, sizes)
     return out
 
 
-def _check_concatenable(path: str, spec: int, values: list, sizes: Sequence[int]) -> None:
+def _check_concatenable(leaf: Leaf, spec: int, values: list, sizes: Sequence[int]) -> None:
     ref = values[0]
+    if not -ref.dim() <= spec < ref.dim():
+        raise ValueError(
+            f"output `{leaf.path}` cannot be concatenated along axis {spec}: replica 0 returned shape "
+            f"{tuple(ref.shape)}, which has no axis {spec}; give it another out_dims axis, or None/'sum'/'mean'"
+        )
     for r, v in enumerate(values):
         if v.dim() != ref.dim() or not -v.dim() <= spec < v.dim():
             raise ValueError(
-                f"output `{path}` cannot be concatenated along axis {spec}: replica {r} returned shape "
+                f"output `{leaf.path}` cannot be concatenated along axis {spec}: replica {r} returned shape "
                 f"{tuple(v.shape)}, replica 0 {tuple(ref.shape)}; give it another out_dims axis, or None/'sum'/'mean'"
             )
     axis = spec % ref.dim()
@@ -118,27 +129,27 @@ def _check_concatenable(path: str, spec: int, values: list, sizes: Sequence[int]
     if axis in follows and len(follows) > 1:
         shapes = ", ".join(str(tuple(v.shape)) for v in values)
         raise ValueError(
-            f"output `{path}` cannot be concatenated along axis {spec}: the replicas returned {shapes}, where axes "
-            f"{follows} all follow each replica's chunk ({list(sizes)} samples): a result between the samples of one "
-            "chunk (a similarity or contrastive logits matrix) covers only that chunk, not the batch. Compute it "
+            f"output `{leaf.path}` cannot be concatenated along axis {spec}: the replicas returned {shapes}, where "
+            f"axes {follows} all follow each replica's chunk ({list(sizes)} samples): a result between the samples of "
+            "one chunk (a similarity or contrastive logits matrix) covers only that chunk, not the batch. Compute it "
             "from the gathered outputs after the call, or gather inside forward (dpfast.all_gather)"
         )
     for r, v in enumerate(values):
         if v.dtype != ref.dtype or any(a != b for i, (a, b) in enumerate(zip(v.shape, ref.shape)) if i != axis):
             raise ValueError(
-                f"output `{path}` cannot be concatenated along axis {spec}: replica {r} returned "
+                f"output `{leaf.path}` cannot be concatenated along axis {spec}: replica {r} returned "
                 f"{tuple(v.shape)} {v.dtype}, replica 0 {tuple(ref.shape)} {ref.dtype}; all other axes and the "
                 "dtype must agree (is the batch on another axis? set out_dims for it)"
             )
 
 
-def _concat_items(path: str, values: list, device: torch.device) -> Any:
+def _concat_items(leaf: Leaf, values: list, device: torch.device) -> Any:
     """The replicas' sequences of per-sample items, concatenated in replica order, with every tensor on ``device``."""
     for r, v in enumerate(values):
         if not isinstance(v, (list, tuple)) or is_namedtuple(v):
             raise TypeError(
-                f"out_dims for `{path}` is 'items', but replica {r} returned {describe_value(v)}; 'items' is for a "
-                "list or tuple of per-sample items: give it an int, None, 'sum' or 'mean'"
+                f"out_dims for `{leaf.path}` is 'items', but replica {r} returned {describe_value(v)}; 'items' is for "
+                "a list or tuple of per-sample items: give it an int, None, 'sum' or 'mean'"
             )
     items = [move_all(item, device) for v in values for item in v]
     try:
@@ -147,7 +158,7 @@ def _concat_items(path: str, values: list, device: torch.device) -> Any:
         return items
 
 
-def _warn_if_batch_elsewhere(path: str, spec: int, axis: int, values: list, sizes: Sequence[int]) -> None:
+def _warn_if_batch_elsewhere(leaf: Leaf, spec: int, axis: int, values: list, sizes: Sequence[int]) -> None:
     """An output whose batch lies on another axis concatenates fine when the split is even, into a wrong shape
     (an LSTM state (L, B, H) under the default out_dims 0 comes back (n*L, B/n, H)). Say so when exactly
     another axis carries the chunk sizes and the chosen one does not."""
@@ -159,9 +170,9 @@ def _warn_if_batch_elsewhere(path: str, spec: int, axis: int, values: list, size
     others = [k for k in range(values[0].dim()) if k != axis and [v.shape[k] for v in values] == list(sizes)]
     if others:
         warnings.warn(
-            f"output `{path}` is concatenated along axis {spec}, where the replicas returned sizes {got}, but its "
+            f"output `{leaf.path}` is concatenated along axis {spec}, where the replicas returned sizes {got}, but its "
             f"axis {others[0]} carries the batch chunk sizes {list(sizes)}; if the batch is on that axis, set "
-            f"out_dims for `{path}` to {others[0]} (as given, the result has a different shape than the plain "
+            f"out_dims for `{leaf.path}` to {others[0]} (as given, the result has a different shape than the plain "
             "module's)",
             UserWarning,
             stacklevel=4,
@@ -185,14 +196,14 @@ def _all_equal(values: list) -> bool:
     return True
 
 
-def _reduce(path: str, how: str, values: list, device: torch.device, weights: list[float]) -> Any:
+def _reduce(leaf: Leaf, how: str, values: list, device: torch.device, weights: list[float]) -> Any:
     if all(isinstance(v, Tensor) for v in values):
         ref = values[0]
         for r, v in enumerate(values):
             if v.shape != ref.shape:
                 raise ValueError(
-                    f"output `{path}` cannot be {'summed' if how == 'sum' else 'averaged'} across replicas: replica "
-                    f"{r} returned shape {tuple(v.shape)}, replica 0 {tuple(ref.shape)}; shapes must agree"
+                    f"output `{leaf.path}` cannot be {'summed' if how == 'sum' else 'averaged'} across replicas: "
+                    f"replica {r} returned shape {tuple(v.shape)}, replica 0 {tuple(ref.shape)}; shapes must agree"
                 )
         moved = [move(v, device) for v in values]
     elif all(isinstance(v, numbers.Number) and not isinstance(v, bool) for v in values):
@@ -200,7 +211,7 @@ def _reduce(path: str, how: str, values: list, device: torch.device, weights: li
     else:
         kinds = sorted({type(v).__name__ for v in values})
         raise TypeError(
-            f"output `{path}` is {'/'.join(kinds)}; out_dims {how!r} needs tensors or numbers from every replica"
+            f"output `{leaf.path}` is {'/'.join(kinds)}; out_dims {how!r} needs tensors or numbers from every replica"
         )
     if how == "sum":
         out = moved[0]
@@ -225,3 +236,27 @@ def gather_packed(values: Sequence[PackedSequence], device: torch.device) -> Pac
     data = ops.gather(padded, 1, device)
     lengths = torch.cat([lens for _, lens in unpacked])
     return pack_padded_sequence(data, lengths, enforce_sorted=False)
+
+
+def gather_quantized(leaf: Leaf, spec: int, values: list[Tensor], device: torch.device) -> Tensor:
+    """Quantized chunks concatenated by torch, when that is exact: per-tensor quantized, the same dtype, scale and
+    zero point on every replica (torch requantizes anything else to the first chunk's scale)."""
+    ref = values[0]
+    per_tensor = (torch.per_tensor_affine, torch.per_tensor_symmetric)
+    same = all(
+        v.is_quantized
+        and v.qscheme() in per_tensor
+        and v.dtype == ref.dtype
+        and v.q_scale() == ref.q_scale()
+        and v.q_zero_point() == ref.q_zero_point()
+        and v.dim() == ref.dim()
+        for v in values
+    )
+    if not same or not -ref.dim() <= spec < ref.dim():
+        raise ValueError(
+            f"output `{leaf.path}` is a quantized tensor that dpfast cannot concatenate exactly along axis {spec}: it "
+            "concatenates per-tensor quantized outputs with the same dtype, scale and zero point on every replica "
+            "(here they differ, are per channel, or lack the axis). Dequantize it in forward, or give it out_dims "
+            "None (replica 0's value)"
+        )
+    return torch.cat([v.to(device) for v in values], spec % ref.dim())

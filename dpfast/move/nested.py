@@ -2,7 +2,7 @@
 ragged on dim 1: ``(B, j, *)``) is a batch of ``B`` variable-length samples stored as one ``values`` tensor
 ``(sum j, *)`` and ``offsets`` ``(B + 1,)``, so a contiguous run of samples is a contiguous run of ``values`` rows: it
 is split (and gathered) along its batch axis 0 by one fused op on ``values``, with the offsets rebased. The planning
-stage has refused every other nested tensor before anything gets here (:mod:`dpfast.plan.nested`)."""
+stage has refused every other nested tensor before anything gets here (:mod:`dpfast.plan.layouts`)."""
 
 from __future__ import annotations
 

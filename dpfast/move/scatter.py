@@ -20,9 +20,9 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from .. import ops
-from ..plan.call_plan import Mapped
-from ..trees.binding import ArgumentTree
+from ..trees.binding import BoundArguments
 from ..trees.flatten import flatten, unflatten
+from ..trees.specs import Leaf
 from .nested import scatter_jagged
 
 _LAST = {4: (torch.channels_last, (0, 2, 3, 1)), 5: (torch.channels_last_3d, (0, 2, 3, 4, 1))}
@@ -73,58 +73,62 @@ def _to(v: Any, device: torch.device) -> Any:
     return v if moved is None else moved
 
 
-def move_tree(tree: ArgumentTree, device: torch.device) -> tuple[tuple, dict]:
+def move_tree(tree: BoundArguments, device: torch.device) -> tuple[tuple, dict]:
     """The call's arguments, whole, with every tensor on ``device`` (the one-call paths)."""
     return tree.rebuild([move_all(leaf.value, device) for leaf in tree.leaves])
 
 
 def scatter_tree(
-    tree: ArgumentTree, mapped: Sequence[Mapped], sizes: Sequence[int], devices: Sequence[torch.device]
+    tree: BoundArguments, sizes: Sequence[int], devices: Sequence[torch.device]
 ) -> list[tuple[tuple, dict]]:
-    """``(args, kwargs)`` per replica: mapped leaves split by ``sizes`` onto ``devices``, other tensors copied to
-    each distinct device once (the original where it already is), everything else by reference."""
+    """``(args, kwargs)`` per replica: the leaves planning marked as split, split by ``sizes`` onto ``devices``;
+    other tensors copied to each distinct device once (the original where it already is), everything else by
+    reference."""
     n = len(devices)
-    index = {id(leaf): k for k, leaf in enumerate(tree.leaves)}
-    per_leaf: list[list | None] = [None] * len(tree.leaves)
-
-    groups: dict[tuple[torch.device, int, tuple | None], list[Mapped]] = {}
-    for m in mapped:
-        v = m.leaf.value
-        if m.is_items:
-            per_leaf[index[id(m.leaf)]] = split_items(v, sizes, devices)
-        elif m.is_packed:
-            per_leaf[index[id(m.leaf)]] = scatter_packed(v, sizes, devices)
-        elif v.is_nested:
-            per_leaf[index[id(m.leaf)]] = scatter_jagged(v, sizes, devices)
-        else:
-            groups.setdefault((v.device, m.axis, memory_order(v)), []).append(m)
-    for (_, axis, perm), ms in groups.items():
+    position = {d: k for k, d in enumerate(dict.fromkeys(devices))}
+    distinct = list(position)  # a replicated tensor is copied once per distinct device
+    slots = [position[d] for d in devices]
+    per_leaf: list[list] = [None] * len(tree.leaves)  # type: ignore[list-item]
+    groups: dict[tuple[torch.device, int, tuple | None], list[Leaf]] = {}
+    for leaf in tree.leaves:
+        v, how = leaf.value, leaf.split
+        if how == "tensor":
+            groups.setdefault((v.device, leaf.axis, memory_order(v)), []).append(leaf)
+        elif how is None:
+            if isinstance(v, (Tensor, PackedSequence)):
+                moved = [move(v, d) for d in distinct]
+                per_leaf[leaf.index] = [moved[k] for k in slots]
+            else:
+                per_leaf[leaf.index] = [v] * n
+        elif how == "items":
+            per_leaf[leaf.index] = split_items(v, sizes, devices)
+        elif how == "packed":
+            per_leaf[leaf.index] = scatter_packed(v, sizes, devices)
+        elif how == "jagged":
+            per_leaf[leaf.index] = scatter_jagged(v, sizes, devices)
+        else:  # quantized
+            per_leaf[leaf.index] = split_quantized(v, leaf.axis, sizes, devices)
+    for (_, axis, perm), leaves in groups.items():
         if perm is None:
-            chunks = ops.scatter([m.leaf.value for m in ms], axis, sizes, devices)
+            chunks = ops.scatter([leaf.value for leaf in leaves], axis, sizes, devices)
         else:  # channels_last: scatter the NHWC view along the same axis, view each chunk back as NCHW
             back = inverse(perm)
-            chunks = ops.scatter([m.leaf.value.permute(perm) for m in ms], perm.index(axis), sizes, devices)
+            chunks = ops.scatter([leaf.value.permute(perm) for leaf in leaves], perm.index(axis), sizes, devices)
             chunks = [[c.permute(back) for c in row] for row in chunks]
-        for m, row in zip(ms, chunks):
-            per_leaf[index[id(m.leaf)]] = row
-
-    copies: dict[tuple[int, torch.device], Any] = {}
-    for k, leaf in enumerate(tree.leaves):
-        if per_leaf[k] is not None:
-            continue
-        v = leaf.value
-        if isinstance(v, (Tensor, PackedSequence)):
-            row = []
-            for d in devices:
-                key = (k, d)
-                if key not in copies:
-                    copies[key] = move(v, d)
-                row.append(copies[key])
-            per_leaf[k] = row
-        else:
-            per_leaf[k] = [v] * n
+        for leaf, row in zip(leaves, chunks):
+            per_leaf[leaf.index] = row
     # each replica gets KV caches of its own: a model updates its cache in place
-    return [tree.rebuild([row[j] for row in per_leaf], own_caches=True) for j in range(n)]  # type: ignore[index]
+    return [tree.rebuild([row[j] for row in per_leaf], own_caches=True) for j in range(n)]
+
+
+def split_quantized(q: Tensor, axis: int, sizes: Sequence[int], devices: Sequence[torch.device]) -> list[Tensor]:
+    """Chunks of a quantized tensor along ``axis``, each a contiguous copy on its device. torch narrows them (the
+    fused ops move plain dtypes; torch keeps a chunk's scale and zero point, and slices per-channel ones)."""
+    out, start = [], 0
+    for size, device in zip(sizes, devices):
+        out.append(q.narrow(axis, start, size).clone(memory_format=torch.contiguous_format).to(device))
+        start += size
+    return out
 
 
 def split_items(seq: Sequence, sizes: Sequence[int], devices: Sequence[torch.device]) -> list:

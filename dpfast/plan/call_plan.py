@@ -9,8 +9,8 @@ order: positional, then keyword). So ``f(x, h)`` with ``x`` ``(B, T, F)`` and an
 ``(L, B, H)`` under the default ``dim=0`` reads ``B`` from ``x`` and reports ``h[0]`` and ``h[1]`` as the mismatch,
 with ``in_dims={'h': 1}`` as the fix.
 
-With ``cost`` (a :class:`~dpfast.plan.costs.CostSpec`) the per-device sizes minimize the largest device cost instead of
-evening out counts (:func:`~dpfast.plan.splits.balanced_split`); the costs are read and checked once ``B`` is known.
+With ``cost`` (a :class:`~dpfast.plan.costs.CostSource`) the per-device sizes minimize the largest device cost instead
+of evening out counts (:func:`~dpfast.plan.splits.balanced_split`); the costs are read and checked once ``B`` is known.
 """
 
 from __future__ import annotations
@@ -25,75 +25,67 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
-from ..trees.binding import ArgumentSpecs, ArgumentTree
-from ..trees.flatten import packed_batch
-from ..trees.specs import ITEMS
-from .costs import Balance, CostSpec
+from ..trees.binding import Binding, BoundArguments
+from ..trees.containers import packed_batch
+from ..trees.specs import ITEMS, Leaf
+from .batch_errors import scatter_message
+from .costs import Balance, CostSource
 from .errors import ScatterError
-from .nested import nested_problem
-from .render import plan_text, scatter_message
+from .layouts import split_method
+from .render import plan_text
 from .splits import balanced_split, split_sizes
 
 
-class Mapped:
-    """A leaf with an int spec: a tensor to split along ``axis``, or a PackedSequence to split by sequence; or a
-    sequence of per-sample items under ``"items"``, split by position."""
-
-    __slots__ = ("leaf", "arg", "axis", "size", "problem")
-
-    def __init__(self, leaf, arg: int):
-        self.leaf = leaf
-        self.arg = arg
-        self.axis: int | None = None
-        self.size: int | None = None
-        self.problem: str | None = None
-        v, spec = leaf.value, leaf.spec
-        if spec == ITEMS:
-            self.size = len(v)
-        elif isinstance(v, PackedSequence):
-            self.size = packed_batch(v)
-        elif v.dim() == 0:
-            self.problem = "0-dim tensor has no batch axis"
-        elif not -v.dim() <= spec < v.dim():
-            self.problem = f"axis {spec} out of range for {v.dim()} dims"
-        else:
-            self.axis = spec % v.dim()
-            self.size = v.shape[self.axis]
-
-    @property
-    def is_packed(self) -> bool:
-        return isinstance(self.leaf.value, PackedSequence)
-
-    @property
-    def is_items(self) -> bool:
-        return self.leaf.spec == ITEMS
-
-
-def mapped_leaves(tree: ArgumentTree, splitting: bool = True) -> list[Mapped]:
-    """The leaves to split; a non-tensor under an explicit int spec is an error (under the default it is passed
-    by reference, as torch does), and so is a nested tensor that cannot be split, unless nothing is (one device)."""
+def map_leaves(tree: BoundArguments, splitting: bool = True) -> list[Leaf]:
+    """The leaves to split, each marked with how (``leaf.split``) and along which axis, with its batch size (or
+    the problem that leaves it without one). A non-tensor under an explicit int spec is an error (under the
+    default it is passed by reference, as torch does), and so is a tensor that cannot be split (a sparse one, a
+    strided nested one), unless nothing is (one device)."""
     out = []
-    for leaf, arg in zip(tree.leaves, tree.leaf_arg):
-        v = leaf.value
-        if leaf.spec is None or (leaf.spec == ITEMS and v is None):
+    for leaf in tree.leaves:
+        v, spec = leaf.value, leaf.spec
+        if spec is None or v is None:
             continue
-        if isinstance(v, Tensor) and v.is_nested and (problem := nested_problem(v, leaf.path, leaf.spec)):
-            if splitting:
-                raise ValueError(problem)
-            continue
-        if isinstance(v, (Tensor, PackedSequence)) or leaf.spec == ITEMS:
-            out.append(Mapped(leaf, arg))
-        elif leaf.explicit and v is not None:
-            kind = type(v).__name__
+        if spec == ITEMS:
+            leaf.split, leaf.size = "items", len(v)
+        elif isinstance(v, Tensor):
+            method, problem = split_method(leaf)
+            if problem is not None:
+                if splitting:
+                    raise ValueError(problem)
+                continue
+            leaf.split = method
+            _batch_axis(leaf, v, spec)
+        elif isinstance(v, PackedSequence):
+            leaf.split, leaf.size = "packed", packed_batch(v)
+        elif leaf.explicit:
             raise TypeError(
-                f"in_dims gives `{leaf.path}` the batch axis {leaf.spec}, but it is "
-                f"{'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind}, not a tensor; pass it as a tensor "
-                "(e.g. torch.tensor(...)) to split it, or give it the spec None to pass it unchanged to every replica"
+                f"in_dims gives `{leaf.path}` the batch axis {spec}, but it is {_a(type(v).__name__)}, not a tensor; "
+                "pass it as a tensor (e.g. torch.tensor(...)) to split it, or give it the spec None to pass it "
+                "unchanged to every replica"
             )
+        else:
+            continue
+        out.append(leaf)
     return out
 
 
-def choose_batch(mapped: Sequence[Mapped]) -> int | None:
+def _batch_axis(leaf: Leaf, t: Tensor, spec: int) -> None:
+    nd = t.dim()
+    if nd == 0:
+        leaf.problem = "0-dim tensor has no batch axis"
+    elif not -nd <= spec < nd:
+        leaf.problem = f"axis {spec} out of range for {nd} dims"
+    else:
+        leaf.axis = spec % nd
+        leaf.size = t.shape[leaf.axis]
+
+
+def _a(name: str) -> str:
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
+def choose_batch(mapped: Sequence[Leaf]) -> int | None:
     votes: dict[int, int] = {}
     for m in mapped:
         if m.size is not None and m.arg not in votes:
@@ -107,30 +99,39 @@ def choose_batch(mapped: Sequence[Mapped]) -> int | None:
     return max(counts, key=lambda s: (counts[s], -first[s]))
 
 
-def check_batch(tree: ArgumentTree, specs: ArgumentSpecs, mapped: Sequence[Mapped]) -> int | None:
+def check_batch(
+    tree: BoundArguments, mapped: Sequence[Leaf], parts: int, weights: Sequence[Fraction] | None
+) -> int | None:
     """``B``, or ``None`` when nothing is mapped; raises :class:`ScatterError` on any disagreement."""
     batch = choose_batch(mapped)
     bad = [m for m in mapped if m.problem is not None or m.size != batch]
     if not bad:
         return batch
-    raise ScatterError(scatter_message(tree, specs, mapped, bad, batch))
+    chunk = min((s for s in split_sizes(batch, parts, weights) if s > 0), default=0) if batch else 0
+    raise ScatterError(scatter_message(tree, mapped, bad, batch, chunk))
 
 
-def check_input_devices(tree: ArgumentTree, devices: Sequence[torch.device]) -> None:
+def check_input_devices(tree: BoundArguments, devices: Sequence[torch.device]) -> None:
     """Inputs may live on the CPU or on devices of device_ids' type (they are moved); anything else (a meta
     tensor, a CUDA tensor in a CPU rehearsal) is refused before anything is copied."""
     kind = devices[0].type
     for leaf in tree.leaves:
         v = leaf.value
-        if isinstance(v, (Tensor, PackedSequence)):
+        if isinstance(v, Tensor):
+            if v.is_cpu or (v.is_cuda and kind == "cuda"):  # no device object to build: the common cases
+                continue
+            dev = v.device
+        elif isinstance(v, PackedSequence):
             dev = v.data.device
-            if dev.type != "cpu" and dev.type != kind:
-                where = "the CPU" if kind == "cpu" else f"the CPU or a {kind} device"
-                raise ValueError(
-                    f"`{leaf.path}` is on {dev}, but device_ids are "
-                    f"[{', '.join(repr(str(d)) for d in devices)}]; inputs must be on {where}: move it "
-                    f"with .to({str(devices[0])!r}) first"
-                )
+        else:
+            continue
+        if dev.type != "cpu" and dev.type != kind:
+            where = "the CPU" if kind == "cpu" else f"the CPU or a {kind} device"
+            raise ValueError(
+                f"`{leaf.path}` is on {dev}, but device_ids are "
+                f"[{', '.join(repr(str(d)) for d in devices[:8])}{', ...' if len(devices) > 8 else ''}]; inputs must "
+                f"be on {where}: move it with .to({str(devices[0])!r}) first"
+            )
 
 
 @dataclasses.dataclass(eq=False)
@@ -146,8 +147,8 @@ class CallPlan:
     """
 
     mode: str
-    tree: ArgumentTree
-    mapped: list[Mapped]
+    tree: BoundArguments  # the call's arguments, bound and walked: one Leaf per leaf
+    mapped: list[Leaf]  # those of tree.leaves that are split (leaf.split is set), in order
     batch_size: int | None
     sizes: list[int]  # per device (or rank), 0 for one that gets nothing; [] when nothing is split
     devices: list[torch.device]  # every device_ids entry ([] for ranks)
@@ -177,7 +178,7 @@ class CallPlan:
 
 
 def plan_call(
-    specs: ArgumentSpecs,
+    binding: Binding,
     args: Sequence[Any],
     kwargs: dict[str, Any],
     parts: int,
@@ -185,7 +186,7 @@ def plan_call(
     *,
     devices: Sequence[torch.device] = (),
     output_device: torch.device | None = None,
-    cost: CostSpec | None = None,
+    cost: CostSource | None = None,
 ) -> CallPlan:
     """Bind the call, check its inputs and batch, and split ``B`` over ``parts`` devices (or ranks).
 
@@ -194,20 +195,20 @@ def plan_call(
     call's per-sample costs (read whenever there is a ``B``, so ``B == 0`` wants no costs). Raises ``ScatterError``
     and the spec and cost errors (``TypeError``/``ValueError`` naming the argument) before anything is copied.
     """
-    tree = ArgumentTree(specs, args, kwargs)
+    tree = BoundArguments(binding, args, kwargs)
     devices = list(devices)
     if devices:
         check_input_devices(tree, devices)
-    mapped = mapped_leaves(tree, splitting=len(devices) != 1)
+    mapped = map_leaves(tree, splitting=len(devices) != 1)
     if len(devices) == 1:  # nothing is split, so there is no batch to agree on: B is informative only
         return CallPlan("direct", tree, mapped, choose_batch(mapped), [], devices, output_device, "one device")
-    batch = check_batch(tree, specs, mapped)
+    batch = check_batch(tree, mapped, parts, weights)
     if batch is None:
         return CallPlan("once", tree, mapped, None, [], devices, output_device, "no tensor to split")
     sizes = split_sizes(batch, parts, weights)
     balance = None
     if cost is not None:
-        costs = cost.read(args, kwargs, batch)
+        costs = cost.read(tree, batch)
         count, sizes = sizes, balanced_split(costs.prefix, parts, weights)
         balance = Balance(costs, cost.text, sizes, count, weights)
     if batch == 0:
@@ -218,5 +219,5 @@ def plan_call(
 def passthrough_plan(forward: Callable, args: Sequence[Any], kwargs: dict[str, Any]) -> CallPlan:
     """The plan of a call that goes straight to the module (no device_ids, no CUDA): in_dims are ignored then, so
     the tree is bound without them and nothing here can raise what the call would not."""
-    tree = ArgumentTree(ArgumentSpecs(forward, None, 0), args, kwargs)
+    tree = BoundArguments(Binding(forward, None, 0), args, kwargs)
     return CallPlan("passthrough", tree, [], None, [], [], None, "no device_ids and no CUDA")

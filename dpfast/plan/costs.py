@@ -30,18 +30,19 @@ from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
 from ..ext.loader import C
-from ..trees.binding import ArgumentSpecs
-from ..trees.flatten import child_path, describe_value
+from ..trees.binding import Binding, BoundArguments
+from ..trees.containers import child_path, describe_value
 from .splits import WidePrefix
 
 _INT64_MAX = 2**63 - 1
 _WHAT = "costs are one number per sample: a 1-D tensor, a list or tuple of numbers, or a PackedSequence"
 
 
-class CostSpec:
-    """``cost=`` checked against ``forward``'s signature once; :meth:`read` takes one call's costs."""
+class CostSource:
+    """Where a call's per-sample costs come from (``cost=``), checked against ``forward``'s signature once;
+    :meth:`read` takes one call's costs from its bound arguments."""
 
-    def __init__(self, cost: str | Callable[..., Any], specs: ArgumentSpecs):
+    def __init__(self, cost: str | Callable[..., Any], specs: Binding):
         self.specs = specs
         self.fn: Callable[..., Any] | None = None
         self.keys: list[tuple[str, Any]] = []
@@ -72,42 +73,34 @@ class CostSpec:
                     'path at args or kwargs ("args[1]", "kwargs[\'lengths\']"), or give cost a callable'
                 )
             return
-        known = s.pos_names + sorted(s.named - set(s.pos_names)) + [n for n in (s.var_pos, s.var_kw) if n]
+        known = s.known_names
         if self.root not in known and s.var_kw is None:
             raise TypeError(
                 f"cost={cost!r} names no parameter of {s.signature_text}; known names: "
                 f"{', '.join(known) if known else '(none)'}"
             )
 
-    def read(self, args: Sequence[Any], kwargs: dict[str, Any], batch: int) -> Costs:
+    def read(self, call: BoundArguments, batch: int) -> Costs:
         """This call's costs as exact integers; raises ``TypeError``/``ValueError`` naming ``cost``."""
         if self.fn is not None:
             try:
-                value = self.fn(*args, **kwargs)
+                value = self.fn(*call.args, **call.kwargs)
             except Exception as exc:  # noqa: BLE001 - reworded with `cost` in it, so a rank can report it too
                 kind = TypeError if isinstance(exc, TypeError) else ValueError
                 raise kind(f"{self.label} raised {type(exc).__name__}: {exc}") from exc
         else:
-            value = self._value(args, kwargs)
+            value = self._value(call)
         return read_costs(value, batch, self.label)
 
-    def _value(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        s, name = self.specs, self.root
-        if not s.has_signature:
-            value: Any = tuple(args) if name == "args" else dict(kwargs)
-        elif name in s.pos_names and s.pos_names.index(name) < len(args):
-            value = args[s.pos_names.index(name)]
-        elif name == s.var_pos:
-            value = tuple(args[len(s.pos_names) :])
-        elif name == s.var_kw:
-            value = {k: v for k, v in kwargs.items() if k not in s.named and k not in s.pos_names}
-        elif name in kwargs:
-            value = kwargs[name]
-        else:
+    def _value(self, call: BoundArguments) -> Any:
+        name = self.root
+        try:
+            value = call.value_of(name)
+        except KeyError:
             raise ValueError(
                 f"{self.label}, but this call does not pass `{name}`; pass it (by position or keyword), or give "
                 "cost a callable that finds the costs in the call's arguments"
-            )
+            ) from None
         path = name
         for kind, key in self.keys:
             try:
@@ -228,6 +221,11 @@ def _not_finite(label: str, i: int, v: Any) -> None:
 
 
 def _tensor_costs(t: Tensor, batch: int, label: str) -> Costs:
+    if t.layout != torch.strided:
+        raise TypeError(
+            f"{label} is a sparse tensor (layout {t.layout}); costs are a dense 1-D tensor: pass it .to_dense(), "
+            "or a list of numbers"
+        )
     if t.dim() != 1:
         raise TypeError(f"{label} is a Tensor of shape {tuple(t.shape)}; {_WHAT}")
     if t.dtype == torch.bool or t.is_complex():
@@ -235,7 +233,18 @@ def _tensor_costs(t: Tensor, batch: int, label: str) -> Costs:
     if t.device.type == "meta":
         raise TypeError(f"{label} is on meta; its values are needed to balance the split: pass real costs")
     _check_length(t.shape[0], batch, label)
-    t = t.detach().cpu()
+    if type(t) is Tensor:
+        return _dense_costs(t.detach().cpu(), label)
+    try:  # a subclass: read through torch's ops, which some subclasses (wrappers) do not let reach their values
+        return _dense_costs(t.detach().cpu(), label)
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        raise TypeError(
+            f"{label} is a {type(t).__name__} (a tensor subclass) whose values cannot be read ({exc}"[:300] + "); "
+            "pass the costs as a plain tensor or a list of numbers"
+        ) from exc
+
+
+def _dense_costs(t: Tensor, label: str) -> Costs:
     if t.dtype in (torch.uint16, torch.uint32, torch.uint64):  # never negative; few ops support them
         return Costs(list(accumulate(t.tolist(), initial=0)))
     native = _native_costs(t)

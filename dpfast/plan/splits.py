@@ -44,7 +44,8 @@ def validate_chunk_sizes(chunk_sizes: Sequence[float] | None, n_devices: int) ->
             raise ValueError(f"chunk_sizes[{i}] is {w!r}; weights must be finite")
         if w < 0:
             raise ValueError(f"chunk_sizes[{i}] is {w!r}; weights must be >= 0 (0 skips that device)")
-        out.append(Fraction(int(w)) if isinstance(w, numbers.Integral) else Fraction(w))
+        # float(): numpy's floats are Reals that Fraction does not take
+        out.append(Fraction(int(w)) if isinstance(w, numbers.Integral) else Fraction(float(w)))
     if sum(out) == 0:
         raise ValueError(f"chunk_sizes {weights!r} are all zero; at least one device needs a positive weight")
     return out

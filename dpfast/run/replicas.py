@@ -187,7 +187,11 @@ class Lease:
 def _lease_to_graph(outputs: Any) -> weakref.ref | None:
     """A token kept alive by the graph behind ``outputs`` (None when no output has a graph)."""
     token = None
-    for leaf in flatten(outputs)[0]:
+    try:
+        leaves = flatten(outputs)[0]
+    except ValueError:  # a cyclic or unbounded output: gathering refuses it next, naming the output's path
+        return None
+    for leaf in leaves:
         fn = getattr(leaf, "grad_fn", None) if isinstance(leaf, torch.Tensor) else None
         meta = getattr(fn, "metadata", None) if fn is not None else None
         meta = meta() if callable(meta) else meta  # a property of a graph node, a method of the abstract Node

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from ..ext.op_checks import DeviceLike
-from ..plan.costs import CostSpec
+from ..plan.costs import CostSource
 from ..plan.splits import validate_chunk_sizes
-from ..trees.binding import ArgumentSpecs, forward_of
+from ..trees.binding import Binding, forward_of
 from ..trees.specs import validate_spec
 
 NAMES = ("device_ids", "output_device", "dim", "in_dims", "out_dims", "chunk_sizes", "cost")
@@ -113,10 +113,10 @@ class Settings:
 
     def __init__(self, module: nn.Module, values: Mapping[str, Any]):
         values = {name: values[name] for name in NAMES}
-        self.specs = ArgumentSpecs(forward_of(module), values["in_dims"], values["dim"])
+        self.specs = Binding(forward_of(module), values["in_dims"], values["dim"])
         validate_spec(values["out_dims"], "out_dims", allow_reductions=True)
         cost = values["cost"]
-        self.cost = None if cost is None else CostSpec(cost, self.specs)
+        self.cost = None if cost is None else CostSource(cost, self.specs)
         self.devices, self.output_device, self.weights = self._devices(values)
         # the public attributes as the wrapper exposes them: devices as torch does (CUDA indices)
         values["device_ids"] = [public_device(d) for d in self.devices]

@@ -1,5 +1,6 @@
-"""Binding ``in_dims`` to ``forward``'s signature, so ``f(x, mask=m)`` and ``f(x, m)`` split alike, and one call's
-arguments flattened into leaves with their specs (:class:`ArgumentTree`).
+"""Binding ``in_dims`` to ``forward``'s signature (:class:`Binding`), so ``f(x, mask=m)`` and ``f(x, m)`` split
+alike, and one call's arguments bound to those names and walked into leaves with their specs
+(:class:`BoundArguments`).
 
 Paths are rooted at the argument names from ``forward``'s signature (``x``, ``h[0]``, ``batch['mask']``); without
 a usable signature the roots are ``args[i]`` and ``kwargs['name']``.
@@ -12,8 +13,9 @@ import warnings
 from collections.abc import Sequence
 from typing import Any, Callable
 
-from .flatten import TreeDef, unflatten_from
-from .specs import ITEMS, Spec, SpecLeaf, is_int, is_leaf_spec, match_spec, validate_spec
+from .containers import TreeDef
+from .flatten import unflatten_from
+from .specs import ITEMS, Leaf, Spec, Walk, is_int, is_leaf_spec, validate_spec
 
 
 def forward_of(module: Any) -> Callable:
@@ -25,7 +27,7 @@ def forward_of(module: Any) -> Callable:
     return module.forward
 
 
-class ArgumentSpecs:
+class Binding:
     """``in_dims`` resolved against ``forward``'s signature, so ``f(x, mask=m)`` and ``f(x, m)`` split alike.
 
     ``in_dims`` is ``None`` (every argument uses ``dim``), an ``int`` (that axis for every argument), a sequence
@@ -38,6 +40,32 @@ class ArgumentSpecs:
             raise TypeError(f"dim must be an int (the batch axis), got {type(dim).__name__} {dim!r}")
         self.dim = dim
         self.user_in_dims = in_dims
+        self._read_signature(forward)
+        self.default: Spec = dim  # spec for arguments in_dims does not name
+        self.by_name: dict[str, Spec] = {}  # parameter name -> spec
+        self.by_index: dict[int, Spec] = {}  # positional index -> spec, when forward has no usable signature
+        self.extras: dict[int, Spec] = {}  # index into *args extras -> spec (from a sequence in_dims)
+        # in_dims keys that only **kwargs can bind (no check can tell them from a typo before a call): a call that
+        # lacks one warns, once per name
+        self.kwargs_only: list[str] = []
+        self._warned: set[str] = set()
+        if in_dims is None:
+            return
+        if is_int(in_dims) or (isinstance(in_dims, str) and in_dims == ITEMS):
+            self.default = in_dims
+        elif isinstance(in_dims, (tuple, list)):
+            self._bind_sequence(in_dims)
+        elif isinstance(in_dims, dict):
+            self._bind_dict(in_dims)
+        else:
+            hint = f" (an array: give in_dims={in_dims.tolist()!r})"[:200] if hasattr(in_dims, "tolist") else ""
+            raise TypeError(
+                f"in_dims must be None, an int, a sequence of specs (by position) or a dict of specs keyed by "
+                f"{self.forward_name}'s parameter names; got {type(in_dims).__name__} {in_dims!r}"[:400]
+                + hint
+            )
+
+    def _read_signature(self, forward: Callable) -> None:
         try:
             sig: inspect.Signature | None = inspect.signature(forward)
         except (TypeError, ValueError):
@@ -48,82 +76,71 @@ class ArgumentSpecs:
         self.named: set[str] = set()
         self.var_pos: str | None = None
         self.var_kw: str | None = None
-        if sig is not None:
-            for p in sig.parameters.values():
-                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-                    self.pos_names.append(p.name)
-                    if p.kind == p.POSITIONAL_OR_KEYWORD:
-                        self.named.add(p.name)
-                elif p.kind == p.KEYWORD_ONLY:
+        for p in sig.parameters.values() if sig is not None else ():
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+                self.pos_names.append(p.name)
+                if p.kind == p.POSITIONAL_OR_KEYWORD:
                     self.named.add(p.name)
-                elif p.kind == p.VAR_POSITIONAL:
-                    self.var_pos = p.name
-                elif p.kind == p.VAR_KEYWORD:
-                    self.var_kw = p.name
+            elif p.kind == p.KEYWORD_ONLY:
+                self.named.add(p.name)
+            elif p.kind == p.VAR_POSITIONAL:
+                self.var_pos = p.name
+            elif p.kind == p.VAR_KEYWORD:
+                self.var_kw = p.name
         self.signature_text = f"{self.forward_name}{sig}" if sig is not None else self.forward_name
 
-        self.default: Spec = dim  # spec for arguments in_dims does not name
-        self.by_name: dict[str, Spec] = {}  # parameter name -> spec
-        self.by_index: dict[int, Spec] = {}  # positional index -> spec, when forward has no usable signature
-        self.extras: dict[int, Spec] = {}  # index into *args extras -> spec (from a sequence in_dims)
-        # in_dims keys that only **kwargs can bind (no check can tell them from a typo before a call): a call that
-        # lacks one warns, once per name
-        self.kwargs_only: list[str] = []
-        self._warned: set[str] = set()
+    def _bind_sequence(self, in_dims: Sequence[Spec]) -> None:
+        for i, s in enumerate(in_dims):
+            validate_spec(s, f"in_dims[{i}]", allow_reductions=False)
+        if not self.has_signature:
+            self.by_index = dict(enumerate(in_dims))
+            return
+        n = len(self.pos_names)
+        if len(in_dims) > n and self.var_pos is None:
+            raise ValueError(
+                f"in_dims has {len(in_dims)} specs but {self.signature_text} takes {n} positional "
+                f"argument{'s' if n != 1 else ''}; give at most one spec per positional parameter"
+            )
+        for i, s in enumerate(in_dims):
+            if i < n:
+                self.by_name[self.pos_names[i]] = s
+            else:
+                self.extras[i - n] = s
 
-        if in_dims is None:
-            return
-        if is_int(in_dims) or in_dims == ITEMS:
-            self.default = in_dims
-            return
-        if isinstance(in_dims, (tuple, list)):
-            for i, s in enumerate(in_dims):
-                validate_spec(s, f"in_dims[{i}]", allow_reductions=False)
-            if sig is None:
-                self.by_index = dict(enumerate(in_dims))
-                return
-            n = len(self.pos_names)
-            if len(in_dims) > n and self.var_pos is None:
-                raise ValueError(
-                    f"in_dims has {len(in_dims)} specs but {self.signature_text} takes {n} positional "
-                    f"argument{'s' if n != 1 else ''}; give at most one spec per positional parameter"
-                )
-            for i, s in enumerate(in_dims):
-                if i < n:
-                    self.by_name[self.pos_names[i]] = s
-                else:
-                    self.extras[i - n] = s
-            return
-        if isinstance(in_dims, dict):
-            if sig is None:
+    def _bind_dict(self, in_dims: dict[Any, Spec]) -> None:
+        if not self.has_signature:
+            raise TypeError(
+                f"in_dims is a dict, but the signature of {self.forward_name} cannot be read to bind names; "
+                "give in_dims as a sequence by position instead"
+            )
+        known = self.known_names
+        for k, s in in_dims.items():
+            if not isinstance(k, str):
                 raise TypeError(
-                    f"in_dims is a dict, but the signature of {self.forward_name} cannot be read to bind names; "
-                    "give in_dims as a sequence by position instead"
+                    f"in_dims keys are forward's parameter names (str), got {type(k).__name__} {k!r}; "
+                    "use a sequence for specs by position"
                 )
-            known = self.pos_names + sorted(self.named - set(self.pos_names))
-            known += [n for n in (self.var_pos, self.var_kw) if n is not None]
-            for k, s in in_dims.items():
-                if not isinstance(k, str):
-                    raise TypeError(
-                        f"in_dims keys are forward's parameter names (str), got {type(k).__name__} {k!r}; "
-                        "use a sequence for specs by position"
-                    )
-                if k not in known and self.var_kw is None:
-                    raise TypeError(
-                        f"in_dims names {k!r}, which is not a parameter of {self.signature_text}; "
-                        f"known names: {', '.join(known) if known else '(none)'}"
-                    )
-                validate_spec(s, f"in_dims[{k!r}]", allow_reductions=False)
-                self.by_name[k] = s
-                if k not in known:
-                    self.kwargs_only.append(k)
-                elif k == self.var_kw and isinstance(s, dict):
-                    self.kwargs_only.extend(str(n) for n in s if n not in self.named)
-            return
-        raise TypeError(
-            f"in_dims must be None, an int, a sequence of specs (by position) or a dict of specs keyed by "
-            f"{self.forward_name}'s parameter names; got {type(in_dims).__name__} {in_dims!r}"
-        )
+            if k not in known and self.var_kw is None:
+                raise TypeError(
+                    f"in_dims names {k!r}, which is not a parameter of {self.signature_text}; "
+                    f"known names: {', '.join(known) if known else '(none)'}"
+                )
+            validate_spec(s, f"in_dims[{k!r}]", allow_reductions=False)
+            self.by_name[k] = s
+            if k not in known:
+                self.kwargs_only.append(k)
+            elif k == self.var_kw and isinstance(s, dict):
+                self.kwargs_only.extend(str(n) for n in s if n not in self.named)
+
+    @property
+    def parameter_names(self) -> list[str]:
+        """forward's named parameters: the positional ones in order, then the keyword-only ones."""
+        return self.pos_names + sorted(self.named - set(self.pos_names))
+
+    @property
+    def known_names(self) -> list[str]:
+        """Every name ``in_dims`` and ``cost`` may start with: the parameters, then ``*args``'s and ``**kwargs``'s."""
+        return self.parameter_names + [n for n in (self.var_pos, self.var_kw) if n is not None]
 
     # -- per call --------------------------------------------------------------------------------------------
 
@@ -180,7 +197,7 @@ class ArgumentSpecs:
             warnings.warn(
                 f"in_dims names {k!r}, which {self.forward_name} accepts only through **{self.var_kw}, but this call "
                 f"does not pass it, so its spec applies to nothing; is it misspelt? (this call's keywords: {passed}; "
-                f"named parameters: {', '.join(self.pos_names + sorted(self.named - set(self.pos_names)))}). "
+                f"named parameters: {', '.join(self.parameter_names)}). "
                 "dpfast warns once per name",
                 UserWarning,
                 stacklevel=5,
@@ -204,27 +221,50 @@ class ArgumentSpecs:
         return "in_dims=[" + ", ".join(repr(idx.get(i, self.default)) for i in range(n)) + "]"
 
 
-class ArgumentTree:
-    """One call's arguments flattened: a TreeDef per argument and the leaves with their specs."""
+class BoundArguments:
+    """One call's arguments bound to ``forward``'s names and walked: a TreeDef per argument, and one :class:`Leaf`
+    per leaf (each knowing its argument and position) in call order: positional, then keyword."""
 
-    __slots__ = ("n_args", "kw_keys", "arg_defs", "arg_names", "leaves", "leaf_arg")
+    __slots__ = ("binding", "n_args", "kw_keys", "values", "arg_defs", "arg_names", "leaves")
 
-    def __init__(self, specs: ArgumentSpecs, args: Sequence[Any], kwargs: dict[str, Any]):
+    def __init__(self, binding: Binding, args: Sequence[Any], kwargs: dict[str, Any]):
+        self.binding = binding
         self.n_args = len(args)
         self.kw_keys = tuple(kwargs.keys())
-        self.arg_defs: list[TreeDef] = []
-        self.arg_names: list[str] = []  # the in_dims name each top-level argument answers to
-        self.leaves: list[SpecLeaf] = []
-        self.leaf_arg: list[int] = []  # leaf -> index of its top-level argument
-        items = [specs.positional(i, len(args)) + (a,) for i, a in enumerate(args)]
-        items += [specs.keyword(k) + (v,) for k, v in kwargs.items()]
-        for a, (name, path, spec, explicit, value) in enumerate(items):
-            start = len(self.leaves)
-            self.arg_defs.append(match_spec(value, spec, path, specs.default, explicit, "in_dims", self.leaves))
-            self.arg_names.append(name)
-            self.leaf_arg.extend([a] * (len(self.leaves) - start))
-        if specs.kwargs_only:
-            specs.warn_unused(kwargs)
+        self.values = (*args, *kwargs.values())  # the top-level arguments, as given
+        bound = [binding.positional(i, len(args)) for i in range(len(args))]
+        bound += [binding.keyword(k) for k in kwargs]
+        self.arg_names: list[str] = [name for name, _, _, _ in bound]  # the in_dims name each answers to
+        self.leaves: list[Leaf] = []
+        walk = Walk(binding.default, "in_dims", self.leaves, whole_atoms=True)
+        self.arg_defs: list[TreeDef] = [
+            walk.run(value, spec, path, explicit, None, a)
+            for a, ((_, path, spec, explicit), value) in enumerate(zip(bound, self.values))
+        ]
+        if binding.kwargs_only:
+            binding.warn_unused(kwargs)
+
+    @property
+    def args(self) -> tuple:
+        return self.values[: self.n_args]
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        return dict(zip(self.kw_keys, self.values[self.n_args :]))
+
+    def value_of(self, name: str) -> Any:
+        """The argument ``name`` binds to in this call (``*args``'s name: a tuple of the extras; ``**kwargs``'s: a
+        dict of the keywords no parameter names; without a signature ``args``/``kwargs``); KeyError if none."""
+        b = self.binding
+        if not b.has_signature and name in ("args", "kwargs"):
+            return self.args if name == "args" else self.kwargs
+        if name == b.var_pos:
+            return tuple(v for n, v in zip(self.arg_names[: self.n_args], self.values) if n == name)
+        if name == b.var_kw:
+            return {k: v for k, v in self.kwargs.items() if k not in b.named and k not in b.pos_names}
+        if b.has_signature and name in self.arg_names:
+            return self.values[self.arg_names.index(name)]
+        raise KeyError(name)
 
     def rebuild(self, new_leaves: Sequence[Any], own_caches: bool = False) -> tuple[tuple, dict]:
         """The call's ``(args, kwargs)`` with the leaves replaced by ``new_leaves`` (same order); ``own_caches``

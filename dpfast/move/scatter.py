@@ -32,9 +32,26 @@ def memory_order(t: Tensor) -> tuple[int, ...] | None:
     """The permutation that views a channels_last (3d) tensor as the contiguous tensor it is in memory (NCHW ->
     NHWC), or None for any other tensor (those move as contiguous chunks)."""
     last = _LAST.get(t.dim())
-    if last is None or t.is_nested or t.is_contiguous() or not t.is_contiguous(memory_format=last[0]):
+    if last is None or t.is_nested or not t.is_contiguous(memory_format=last[0]):
+        return None
+    if t.is_contiguous() and not _strides_like_channels_last(t):  # both formats: the strides decide, as for torch
         return None
     return last[1]
+
+
+def _strides_like_channels_last(t: Tensor) -> bool:
+    """torch's own tie-break for a tensor contiguous in both formats (a chunk of one channel, of 1x1 pixels):
+    c10's ``is_channels_last_strides_2d/3d``, which ``torch.cat`` and ``empty_like`` follow. Strides must grow
+    through C, W, (D,) H, N, and N's may not equal C's (an N111 tensor is NCHW)."""
+    sizes, strides = t.shape, t.stride()
+    if strides[1] == 0:
+        return False
+    low = 0
+    for d in (1, *range(t.dim() - 1, 1, -1), 0):
+        if sizes[d] == 0 or strides[d] < low or (d == 0 and low == strides[1]):
+            return False
+        low = strides[d] * (sizes[d] if sizes[d] > 1 else 1)
+    return True
 
 
 def inverse(perm: Sequence[int]) -> tuple[int, ...]:

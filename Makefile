@@ -17,6 +17,7 @@ $(VENV)/.deps: pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip "setuptools>=77" wheel
 	$(PY) -m pip install -q "torch>=2.4" ninja build pytest hypothesis expecttest numpy matplotlib ruff transformers accelerate torchvision mypy \
 		opacus torchmetrics diffusers torch_geometric
+	$(PY) -m pip install -q mkdocs mkdocs-material "mkdocstrings[python]"  # make docs (the site, offline)
 	touch $@
 
 venv: $(VENV)/.deps
@@ -26,7 +27,7 @@ build: venv
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	$(PY) -m dpfast info
 
-test: build lint typecheck
+test: build lint typecheck docs
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: venv
@@ -37,6 +38,12 @@ lint: venv
 .PHONY: typecheck
 typecheck: venv
 	$(PY) -m mypy --config-file tests/typed/mypy.ini tests/typed/user_code.py examples
+
+# The docs site (mkdocs.yml, docs/) into site/, strict: a broken link or cross-reference, or a docstring section that
+# does not match its signature, fails the build. Offline: no web fonts, no plugin that fetches.
+.PHONY: docs
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 # The CPU extension under AddressSanitizer + UBSan (build/sanitize), the op tests and a seeded fuzzer against it.
 FUZZ_SECONDS ?= 60
@@ -60,4 +67,4 @@ dist: venv
 	$(PY) -m build --no-isolation --outdir dist .
 
 clean:
-	rm -rf build dist *.egg-info dpfast/_C*.so benchmarks/results .pytest_cache
+	rm -rf build dist site *.egg-info dpfast/_C*.so benchmarks/results .pytest_cache

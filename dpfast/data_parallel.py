@@ -21,6 +21,7 @@ from .ext.op_checks import DeviceLike
 from .move.gather import gather_outputs
 from .move.scatter import move_tree, scatter_tree
 from .plan.call_plan import CallPlan, passthrough_plan, plan_call
+from .run.attributes import SettingsAttributes
 from .run.execute import run_replicas
 from .run.replicas import Lease, ReplicaCache, replicate_once
 from .run.settings import NAMES, Settings, check_given_device_ids, resolve_device
@@ -69,16 +70,7 @@ def _split(plan: CallPlan) -> tuple[list[torch.device], list[int], list[tuple[tu
     return [source], [plan.batch_size or 0], [move_tree(plan.tree, source)]
 
 
-# What a DataParallel derives from its public attributes, never pickled (the first layout pickled these too).
-_DERIVED = frozenset({"_settings", "_replicas", "_pool", "_specs", "_cost", "_devices", "_output_device", "_weights"})
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-class DataParallel(nn.DataParallel):
+class DataParallel(SettingsAttributes, nn.DataParallel):
     """Split each call's batch over ``device_ids``, run a replica of ``module`` per chunk, and gather.
 
     Replicas on different devices run concurrently; replicas sharing a device (a rehearsal: ``["cpu"] * 4``,
@@ -102,25 +94,18 @@ class DataParallel(nn.DataParallel):
             The split stays contiguous and in order and minimizes the largest device cost (relative to
             ``chunk_sizes``); ``plan()`` shows each device's cost and the count split's.
 
-    Behaviour worth knowing:
-        * ``B`` is the size that most top-level arguments agree on along their batch axis (ties: the earliest
-          argument); any mapped tensor that disagrees raises :class:`dpfast.ScatterError` before anything is
-          copied, with a table of every mapped tensor (paths like ``x``, ``h[0]``, ``batch['mask']``, ``pair.a``
-          rooted at forward's parameter names) and a suggested ``in_dims``.
-        * Chunks differ by at most one (earlier devices take the remainder), or follow ``chunk_sizes`` by largest
-          remainder; they always sum to ``B``. ``B`` < n runs fewer replicas; ``B == 0`` or nothing to split runs
-          one call on ``device_ids[0]``.
-        * A 0-dim output under an int spec is stacked into ``(n_replicas_run,)``, like torch. With a single
-          device the module is called directly and its output returned as is, also like torch.
-        * Non-tensors under the default ``dim`` reach every replica by reference; under an explicit int spec they
-          are an error. A ``PackedSequence`` under an int spec is split by sequence, in the caller's order, and
-          packed outputs are merged back by sequence; a jagged nested tensor is split along its batch axis 0.
-          Dataclasses (also dict hybrids such as HF's ModelOutput, by their fields), namedtuples, mappings, torch
-          pytree nodes and HF KV caches keep their type on the way in and out; a dataclass spec is a dict keyed by
-          field names or an instance of that dataclass. channels_last stays channels_last.
-        * Non-tensor outputs under an int spec come back once when every replica returned an equal value,
-          otherwise as a list with one value per replica.
-        * Inputs must be on the CPU or on devices of device_ids' type; anything else is refused before copying.
+    Raises:
+        TypeError: ``module`` is not a ``torch.nn.Module``; ``dim``, a spec or a ``cost`` is of the wrong type, or
+            names a parameter ``module.forward`` does not have (the message lists the known names); a compiled
+            module over several devices (wrap it first: ``torch.compile(dpfast.DataParallel(model, ...))``).
+        ValueError: a device that is not ``"cpu"`` or an available CUDA device, ``chunk_sizes`` of another length
+            than ``device_ids`` or with a negative weight, an unknown ``out_dims`` reduction.
+
+    What a call does, and raises, is ``forward``'s (and ``plan()`` shows it first): in short, ``B`` is the size most
+    top-level arguments agree on, the chunks always sum to it (no sample is dropped) and go to the devices in
+    order, and every input is checked before anything is copied. The guides give the details: specs and
+    ``plan()``, the rehearsal, structured inputs (dataclasses, namedtuples, mappings, pytree nodes, KV caches,
+    ``PackedSequence``, jagged nested tensors, ``"items"``) and cost-balanced splits.
     """
 
     def __init__(
@@ -152,67 +137,6 @@ class DataParallel(nn.DataParallel):
         self._use(Settings(module, values))
         if len(self._settings.devices) == 1:
             self.module.to(self._settings.devices[0])  # as torch does for a single device
-
-    # -- the settings: public attributes, read at every call ----------------------------------------------------
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        """``dp.dim = 1``, ``dp.device_ids = [...]``, ...: checked now (an invalid value is refused and nothing
-        changes), and what the next call runs with."""
-        if name in NAMES and "_settings" in self.__dict__:
-            values = {**self._current_values(), name: value}
-            try:
-                if name == "device_ids":
-                    check_given_device_ids(value)
-                settings = Settings(self.module, values)
-            except (TypeError, ValueError) as exc:
-                raise type(exc)(f"DataParallel.{name} = {_short(value)} refused (nothing changed): {exc}") from None
-            self._use(settings)
-            return
-        super().__setattr__(name, value)
-
-    def _current_values(self) -> dict[str, Any]:
-        d = self.__dict__
-        return {name: d.get(name) for name in NAMES}
-
-    def _use(self, settings: Settings) -> None:
-        d = self.__dict__
-        d.update(settings.values)
-        d["_settings"] = settings
-        d["src_device_obj"] = settings.devices[0] if settings.devices else None
-        self._pool.max_idle = max(len(settings.devices) - 1, 0)
-
-    def _current_settings(self) -> Settings:
-        """The settings for this call: resolved again when an attribute was changed in place since the last."""
-        settings = self.__dict__.get("_settings")
-        values = self._current_values()
-        if settings is None or not settings.matches(self.module, values):
-            settings = Settings(self.module, values)
-            self._use(settings)
-        return settings
-
-    # what a call runs with (read through these by the call path, after _current_settings())
-    _devices = property(lambda self: self._settings_or_now().devices)
-    _output_device = property(lambda self: self._settings_or_now().output_device)
-    _weights = property(lambda self: self._settings_or_now().weights)
-    _specs = property(lambda self: self._settings_or_now().specs)
-    _cost = property(lambda self: self._settings_or_now().cost)
-
-    def _settings_or_now(self) -> Settings:
-        settings = self.__dict__.get("_settings")
-        return settings if settings is not None else self._current_settings()
-
-    def __getstate__(self) -> dict:
-        """The module and the public attributes only: what a call derives from them is derived again on load."""
-        return {k: v for k, v in self.__dict__.items() if k not in _DERIVED}
-
-    def __setstate__(self, state: dict) -> None:
-        """New pickles, and those of the first layout (which also held ``_specs``, ``_cost``, ``_devices``...)."""
-        state = {k: v for k, v in state.items() if k not in _DERIVED}
-        super().__setstate__(state)
-        d = self.__dict__
-        d["_replicas"] = ReplicaCache()
-        d["_pool"] = WorkerPool(max_idle=max(len(d.get("device_ids") or ()) - 1, 0))
-        d["_settings"] = None  # resolved at the first call (a pickle from a GPU machine still loads on a CPU one)
 
     # -- the call ------------------------------------------------------------------------------------------------
 
@@ -312,9 +236,21 @@ class DataParallel(nn.DataParallel):
         return [1] * n, self._devices[:n]
 
     def scatter(self, inputs: tuple, kwargs: dict | None, device_ids: Sequence[DeviceLike]) -> tuple[tuple, tuple]:
-        """The call's ``(args per replica, kwargs per replica)``, split by ``in_dims`` (and ``cost``) over
-        ``device_ids`` by the plan a call makes (never dropping a sample; the same errors, before anything is
-        copied)."""
+        """Split a call's arguments by ``in_dims`` (and ``cost``) over ``device_ids``: torch's hook, dpfast's plan.
+
+        Args:
+            inputs: the call's positional arguments.
+            kwargs: its keyword arguments (``None``: none).
+            device_ids: the devices to split over, as the constructor takes them.
+
+        Returns:
+            ``(args, kwargs)``: one tuple of positional arguments and one dict of keyword arguments per replica
+            that runs, each on its device. The chunks sum to ``B``: no sample is dropped.
+
+        Raises:
+            ValueError: ``device_ids`` is empty or a single device rather than a sequence; and the errors a call
+                raises before anything is copied (``ScatterError``, the spec errors).
+        """
         self._current_settings()
         if isinstance(device_ids, (str, int, torch.device)) or not device_ids:
             raise ValueError(
@@ -326,17 +262,40 @@ class DataParallel(nn.DataParallel):
         return tuple(a for a, _ in parts), tuple(k for _, k in parts)
 
     def replicate(self, module: nn.Module, device_ids: Sequence[DeviceLike]) -> list[nn.Module]:
-        """One module per device, as a call makes them: ``module`` itself first on its own device, a replica with
-        buffers of its own for every other entry (sharing the parameters on the same device, a broadcast copy on
-        another CUDA device)."""
+        """One module per device, as a call makes them: torch's hook, dpfast's replicas.
+
+        Args:
+            module: the module to replicate (its parameters on one device).
+            device_ids: one entry per replica; repeats allowed.
+
+        Returns:
+            ``module`` itself first on its own device, then a replica with buffers of its own for every other entry
+            (sharing the parameters on the same device, a broadcast copy on another CUDA device).
+
+        Raises:
+            ValueError: an entry of ``device_ids`` is not ``"cpu"`` or an available CUDA device.
+        """
         devices = [resolve_device(d, f"device_ids[{i}]") for i, d in enumerate(device_ids)]
         source = next(iter(module.parameters()), None)
         source = source.device if source is not None else (self._devices[0] if self._devices else devices[0])
         return replicate_once(module, source, devices)
 
     def parallel_apply(self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
-        """Run ``replicas[i](*inputs[i], **kwargs[i])`` concurrently on this wrapper's workers (each on the device
-        the last scatter() sent its chunk to), re-raising a failure with the replica and device named."""
+        """Run ``replicas[i](*inputs[i], **kwargs[i])`` concurrently on this wrapper's workers: torch's hook.
+
+        Args:
+            replicas: one module per replica, as :meth:`replicate` makes them.
+            inputs: one argument tuple per replica (a single value is one argument), as :meth:`scatter` makes them.
+            kwargs: one keyword dict per replica, or ``None`` for none.
+
+        Returns:
+            The replicas' outputs, in replica order; each replica ran on the device the last :meth:`scatter` sent
+            its chunk to.
+
+        Raises:
+            ValueError: ``replicas``, ``inputs`` and ``kwargs`` differ in length (nothing is run).
+            Exception: what a replica raised, re-raised with the replica's index and device in the message.
+        """
         n = len(replicas)
         kwargs = tuple(kwargs) if kwargs else ({},) * n
         if len(inputs) != n or len(kwargs) != n:
@@ -349,21 +308,49 @@ class DataParallel(nn.DataParallel):
         return run_replicas(list(replicas), list(zip(args, kwargs)), self._scattered(n)[1], self._pool)
 
     def gather(self, outputs: Sequence[Any], output_device: DeviceLike) -> Any:
-        """Combine the replicas' outputs as ``out_dims`` says onto ``output_device`` (-1: the CPU, as in torch);
-        ``"mean"`` weights each by its share of the last scatter()'s batch."""
+        """Combine the replicas' outputs as ``out_dims`` says: torch's hook, dpfast's specs.
+
+        Args:
+            outputs: the replicas' outputs, in replica order.
+            output_device: where the result goes (``-1``: the CPU, as in torch).
+
+        Returns:
+            The combined output, with the structure and types the replicas returned; ``"mean"`` weights each
+            replica by its share of the last :meth:`scatter`'s batch.
+
+        Raises:
+            TypeError, ValueError: an output does not fit its ``out_dims`` spec (the message names the output).
+        """
         self._current_settings()
         device = torch.device("cpu") if output_device == -1 else resolve_device(output_device, "output_device")
         return gather_outputs(list(outputs), self.out_dims, self.dim, device, self._scattered(len(outputs))[0])
 
     def plan(self, *inputs: Any, **kwargs: Any) -> CallPlan:
-        """What ``self(*inputs, **kwargs)`` would do, as a printable table; nothing is copied or run.
+        """What ``self(*inputs, **kwargs)`` would do; nothing is copied or run.
 
-        It is the very plan the call executes, so it raises the same errors the call would raise before copying
-        anything (``ScatterError``, ``TypeError``...).
+        Args:
+            *inputs: the call's positional arguments, as for :meth:`forward`.
+            **kwargs: its keyword arguments.
+
+        Returns:
+            The very plan the call executes: ``str(plan)`` is a table of every argument leaf with its shape, spec
+            and per-replica chunk (and, with ``cost``, each device's cost).
+
+        Raises:
+            dpfast.ScatterError, TypeError, ValueError: the errors the call would raise before copying anything,
+                as :meth:`forward` lists them.
         """
         return self._plan_call(inputs, kwargs)
 
     def extra_repr(self) -> str:
+        """The settings ``repr()`` shows: ``device_ids`` and what differs from the defaults.
+
+        Returns:
+            ``"device_ids=[cpu, cpu], in_dims={'h': 1}"`` and the like.
+
+        Raises:
+            Nothing: it reads the public attributes only.
+        """
         ids, out = self.device_ids or [], self.output_device  # the public attributes (a fresh unpickle resolves later)
         parts = [f"device_ids=[{', '.join(str(d) for d in ids)}]"]
         if out is not None and ids and out != ids[0]:

@@ -1,5 +1,5 @@
-"""``dpfast.nn``: recurrent layers whose state can be batch-first, and ``SyncBatchNorm`` (defined in
-:mod:`dpfast.run.sync_batchnorm`, which batch-normalizes over the whole batch across replicas or ranks).
+"""``dpfast.nn``: recurrent layers whose state can be batch-first, and :class:`SyncBatchNorm` (which
+batch-normalizes over the whole batch across replicas or ranks; defined in the run stage, ``run/sync_batchnorm.py``).
 
 The recurrent layers exist so that ``dim=0`` data parallelism splits their state correctly.
 
@@ -125,6 +125,10 @@ class LSTM(_StateBatchFirst, torch.nn.LSTM):
             ``(L*D, B, H)``, and ``forward`` is torch's).
         **kwargs: ``torch.nn.LSTM``'s keyword arguments (``batch_first``, ``bidirectional``, ``proj_size``,
             ``dropout``, ``device``, ``dtype``, ...).
+
+    Raises:
+        ValueError, TypeError: invalid arguments, as ``torch.nn.LSTM`` raises them (a ``dropout`` out of range, a
+            ``proj_size`` not below ``hidden_size``...).
     """
 
     def __init__(self, *args: Any, state_batch_first: bool = False, **kwargs: Any) -> None:
@@ -183,6 +187,10 @@ class GRU(_StateBatchFirst, torch.nn.GRU):
             ``(L*D, B, H)``, and ``forward`` is torch's).
         **kwargs: ``torch.nn.GRU``'s keyword arguments (``batch_first``, ``bidirectional``, ``dropout``,
             ``device``, ``dtype``, ...).
+
+    Raises:
+        ValueError, TypeError: invalid arguments, as ``torch.nn.GRU`` raises them (a ``dropout`` out of range, a
+            ``hidden_size`` that is not a positive int...).
     """
 
     def __init__(self, *args: Any, state_batch_first: bool = False, **kwargs: Any) -> None:
@@ -230,6 +238,10 @@ class RNN(_StateBatchFirst, torch.nn.RNN):
             ``(L*D, B, H)``, and ``forward`` is torch's).
         **kwargs: ``torch.nn.RNN``'s keyword arguments (``nonlinearity``, ``batch_first``, ``bidirectional``,
             ``dropout``, ``device``, ``dtype``, ...).
+
+    Raises:
+        ValueError, TypeError: invalid arguments, as ``torch.nn.RNN`` raises them (a ``dropout`` out of range, an
+            unknown ``nonlinearity``...).
     """
 
     def __init__(self, *args: Any, state_batch_first: bool = False, **kwargs: Any) -> None:

@@ -1,6 +1,6 @@
 """Seed 000: a relational recurrent network (RRN) whose LSTM state is ``(num_layers, B, H)``, unchanged, under dpfast.
 
-The seed (``shared/seeds/000_*.txt``, a blog post) puts this model under ``torch.nn.DataParallel`` and gets::
+The seed (a user's blog post, not part of this repository) puts this model under ``torch.nn.DataParallel`` and gets::
 
     RuntimeError: Expected hidden[0] size (1, 2500, 50), got (1, 10000, 50)
 

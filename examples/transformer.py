@@ -1,6 +1,6 @@
 """Seed 004: a Transformer whose ``(T, T)`` target mask gets chopped per GPU, unchanged, under dpfast.
 
-The seed (``shared/seeds/004_*.txt``, a Q&A thread) trains this model under ``torch.nn.DataParallel`` on 6 GPUs::
+The seed (a user's Q&A thread, not in this repository) trains this model under ``torch.nn.DataParallel`` on 6 GPUs::
 
     pred = model(X, y_input, tgt_mask=tgt_mask, src_pad_mask=src_pad_mask, tgt_pad_mask=tgt_pad_mask)
     RuntimeError: The shape of the 2D attn_mask is torch.Size([538, 3225]), but should be (3225, 3225).

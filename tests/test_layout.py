@@ -1,6 +1,6 @@
 """The package's shape: modules small enough to hold in mind, and a one-way pipeline of stage packages (a module
-imports only its own stage and earlier ones, so there are no import cycles between stages). The README's Layout
-section lists the same stages, in the same order, and every module of the package."""
+imports only its own stage and earlier ones, so there are no import cycles between stages). The Layout section of
+docs/contributing.md lists the same stages, in the same order, and every module of the package."""
 
 from __future__ import annotations
 
@@ -95,8 +95,9 @@ def test_distributed_uses_only_the_pipeline():
 
 
 def _readme_layout() -> str:
-    text = (ROOT / "README.md").read_text()
-    section = text.split("\n## Layout\n", 1)[1]
+    """The layout block of docs/contributing.md (the README links to it)."""
+    text = (ROOT / "docs" / "contributing.md").read_text()
+    section = text.split("\n## The layout\n", 1)[1]
     return section.split("\n```\n", 2)[1] if "\n```\n" in section else section
 
 
@@ -107,9 +108,10 @@ def test_readme_layout_lists_the_stages_in_order():
         path = PACKAGE / stage
         name = f"{stage}/" if path.is_dir() else f"{stage}.py"
         m = re.search(rf"(?<![\w/.]){re.escape(name)}", layout)
-        assert m, f"README's Layout section does not list {name}"
+        assert m, f"docs/contributing.md's Layout section does not list {name}"
         found.append((m.start(), stage))
-    assert [s for _, s in sorted(found)] == STAGES, "README's Layout section lists the stages in another order"
+    order = [s for _, s in sorted(found)]
+    assert order == STAGES, "docs/contributing.md's Layout section lists the stages in another order"
 
 
 def test_readme_layout_names_every_module():
@@ -119,4 +121,4 @@ def test_readme_layout_names_every_module():
         for p in _modules()
         if p.name != "__init__.py" and not re.search(rf"(?<![\w.]){re.escape(p.name)}", layout)
     ]
-    assert not missing, f"README's Layout section does not name {missing}"
+    assert not missing, f"docs/contributing.md's Layout section does not name {missing}"

@@ -33,8 +33,12 @@ CANNOT_GATHER = 4  # gather_outputs could not sort this rank's outputs
 
 
 class DistributedBatchError(ScatterError):
-    """The ranks disagree (on the batch, the outputs to gather, or the wrapper's own settings), or one rank cannot
-    run its part of the step; raised on every rank, with a line per rank saying what differs."""
+    """Raised on every rank when the ranks disagree, or one rank cannot run its part of the step.
+
+    What they disagree on: the batch (its structure, dtypes, batch axes, and with the global batch ``B``, the split
+    and every shape), the outputs to gather, or the wrapper's own settings (at construction). The message has a line
+    per rank saying what differs. A subclass of :class:`dpfast.ScatterError`.
+    """
 
     __module__ = "dpfast"  # printed and pickled as dpfast.DistributedBatchError, the name users catch it by
 

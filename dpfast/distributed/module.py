@@ -35,7 +35,6 @@ full-batch one; otherwise each rank keeps its own rows' gradient, scaled by ``1/
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -49,22 +48,15 @@ from ..plan.call_plan import CallPlan, plan_call
 from ..plan.errors import ScatterError
 from ..run.collectives import observe_process_group_collectives
 from ..trees.specs import Spec
-from .agreement import EMPTY_REFUSED, GHOST_COUNTED, OK, DistributedBatchError, StepRecord, describe_step
+from .agreement import EMPTY_REFUSED, GHOST_COUNTED, OK, StepRecord, describe_step
 from .bucket_check import BucketCheck
 from .checks import StepChecks
+from .ddp_overrides import KeepingStepOverrides, _ShareRefused
 from .exchanges import RankGroup, through_input_grads
-from .keeping_step import CollectiveLog, EmptyShare, replay, run_empty_share
+from .keeping_step import CollectiveLog, EmptyShare
 from .outputs import OutputsCall, gather_across_ranks
 from .settings import FIXED, agree_on_settings, check_settings, describe_settings
 from .sharding import Share, rank_call
-
-
-class _ShareRefused(Exception):
-    """Raised out of DDP's forward when a rank without rows could run neither its empty share nor a ghost."""
-
-    def __init__(self, error: BaseException):
-        super().__init__(str(error))
-        self.error = error
 
 
 @dataclasses.dataclass
@@ -80,20 +72,24 @@ class _CallState:
     capacity: int = 0  # bytes the output exchange's first all-gather carries (the same on every rank)
 
 
-class DistributedDataParallel(nn.parallel.DistributedDataParallel):
+class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataParallel):
     """``torch.nn.parallel.DistributedDataParallel`` with dpfast's ``in_dims``/``out_dims``.
 
     Args:
-        module, device_ids, output_device: as for torch's DDP (one device per process: ``device_ids=[local_rank]``
-            on GPUs, ``None`` on the CPU).
+        module: the module to train, as for torch's DDP.
+        device_ids: as for torch's DDP: one device per process, ``[local_rank]`` on GPUs, ``None`` on the CPU.
+        output_device: as for torch's DDP.
         inputs: ``"global"`` (default): every rank is given the same global batch and keeps its rows, by the plan
             ``DataParallel`` makes over ``world_size`` devices. ``"per_rank"``: every rank passes only its own rows
             (a share from :func:`~dpfast.distributed.shard_batch`, a
             :class:`~dpfast.distributed.BalancedBatchSampler`, any per-rank loader); shares may differ in size.
-        in_dims, out_dims, dim: as for :class:`dpfast.DataParallel`.
-        chunk_sizes, cost: as for :class:`dpfast.DataParallel`, with ranks in place of devices (``inputs="global"``
-            only: one relative weight per rank; ``cost`` balances the ranks' work, and every rank computes the
-            same split from its copy of the global batch).
+        in_dims: as for :class:`dpfast.DataParallel`.
+        out_dims: as for :class:`dpfast.DataParallel`.
+        dim: as for :class:`dpfast.DataParallel`.
+        chunk_sizes: as for :class:`dpfast.DataParallel`, with ranks in place of devices (``inputs="global"`` only):
+            one relative weight per rank.
+        cost: as for :class:`dpfast.DataParallel`, with ranks in place of devices (``inputs="global"`` only): it
+            balances the ranks' work, and every rank computes the same split from its copy of the global batch.
         gather_outputs: all-gather the outputs (differentiably) so every rank holds the full-batch result: int spec
             -> concatenated along that axis in rank order (a 0-dim output is stacked into ``(n_ranks_with_rows,)``),
             ``"sum"``/``"mean"`` -> reduced across ranks (``"mean"`` weighted by share), ``None`` -> this rank's own
@@ -211,6 +207,23 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     # -- the call -------------------------------------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Run this rank's rows of the call through torch's DDP forward (call the wrapper, not ``forward``).
+
+        Args:
+            *inputs: ``module.forward``'s positional arguments: the global batch (``inputs="global"``), or this
+                rank's own rows (``inputs="per_rank"``).
+            **kwargs: its keyword arguments, treated as ``in_dims`` names them.
+
+        Returns:
+            This rank's outputs; with ``gather_outputs``, the outputs combined across ranks as ``out_dims`` says
+            (the full batch's, on every rank).
+
+        Raises:
+            DistributedBatchError: on every rank, when the ranks disagree on the batch or one cannot run its part
+                (without ``gather_outputs`` it may come from the following ``backward()``; see ``check_batch``).
+            dpfast.ScatterError, TypeError, ValueError: this rank cannot plan its call (with ``check_batch=False``;
+                otherwise every rank raises ``DistributedBatchError`` for it).
+        """
         if self._bucket_check is not None:
             self._bucket_check.read_deferred()  # CUDA: the last backward's check
         plan, error = self._plan(inputs, kwargs)
@@ -273,33 +286,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             self._call.pending_rows, self._call.share = None, _per_rank_share(self._rank, rows)
         return result
 
-    def _keep_step(self, record: StepRecord, ran_forward: bool) -> Any:
-        """This rank cannot run its part (``record`` says why): it issues the step's collectives anyway, with
-        nothing to contribute, up to the check, where every rank raises."""
-        if not ran_forward:
-            self._call.share, self._call.pending_rows = None, None
-            self._pre_forward()  # DDP's: buffer broadcast, bucket rebuild
-            replay(self._checks.trace or [])
-        log = self._call.log if ran_forward else None
-        in_forward = bool(self._checks.trace) or bool(log is not None and log.entries)
-        if self.gather_outputs:
-            self._gather(None, failed=True)
-        elif not torch.is_grad_enabled() or in_forward:  # where the others check (see _finish)
-            self._checks.check_now()
-        elif self.require_backward_grad_sync:
-            if self._checks.sizes_exchanged:
-                self._exchange_sizes(0)
-            self._match_all_reduce_for_bwd_pass()  # DDP's shadow of a backward (its join uses it)
-            if self.find_unused_parameters:
-                self._match_unused_params_allreduce()
-            self.reducer._push_all_rebuilt_params()
-            assert self._bucket_check is not None
-            self._bucket_check.read()
-        raise DistributedBatchError(
-            f"dpfast.DistributedDataParallel: rank {self._rank} cannot run its part of this step "
-            f"({record.error_line()}); under no_sync() the other ranks raise at the next synchronized backward"
-        ) from record.error
-
     def _take_share(self, plan: CallPlan, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """This rank's rows of the call (and :attr:`share`); a rank with none gets an empty share."""
         average = self.gather_outputs and self.inputs == "global"
@@ -316,40 +302,19 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         moved_args, moved_kwargs = _to_kwargs(args, kwargs, device, self.use_side_stream_for_tensor_copies)
         return moved_args[0], moved_kwargs[0]
 
-    def _run_ddp_forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """Inside torch's DDP forward (between its pre- and post-forward): a rank without rows runs its empty
-        share, or a ghost (see :mod:`dpfast.distributed.keeping_step`)."""
-        empty, log = self._call.empty, self._call.log
-        if empty is None or log is None:
-            return super()._run_ddp_forward(*inputs, **kwargs)
-        result = run_empty_share(super()._run_ddp_forward, self.module, empty, log, self.out_dims, self.dim)
-        if result.status == EMPTY_REFUSED:
-            trace = self._checks.trace or []
-            replay(trace[len(log.entries) :])  # the rest of the step's collectives, so the others do not wait
-            raise _ShareRefused(result.error)
-        if result.status == GHOST_COUNTED:
-            self._call.ghost_error = result.error
-        return result.outputs
-
-    def _sync_buffers(self) -> None:
-        """DDP broadcasts the buffers from rank 0 at each forward. A rank that had no rows in the last checked
-        forward (a ``chunk_sizes`` weight of 0) holds buffers its module never updated (BatchNorm statistics that
-        would never move), so the first rank that had rows is the source, as ``DataParallel`` keeps the buffers
-        of the first replica that had rows. It comes from a checked plan, so every rank picks the same; with
-        ``check_batch=False`` rank 0 stays the source."""
-        source = self._checks.buffer_source
-        if source == 0 or self._join_config.enable:
-            return super()._sync_buffers()
-        with torch.no_grad(), contextlib.ExitStack() as stack:
-            self._assign_modules_buffers()
-            preserve = getattr(torch.autograd, "_unsafe_preserve_version_counter", None)
-            for b in self.modules_buffers if preserve else ():  # one tensor each: torch 2.4 takes no tuple
-                stack.enter_context(preserve(b))
-            self._sync_module_buffers(source)
-
     def register_comm_hook(self, state: object, hook: Any) -> None:
-        """torch's ``register_comm_hook``; with the checks on (and no ``gather_outputs``) the hook runs on every
-        bucket, and the check's table takes one small all-reduce beside the first bucket's."""
+        """torch's ``register_comm_hook``: ``hook`` communicates every gradient bucket.
+
+        With the checks on (and no ``gather_outputs``) the step's check rides in the first bucket: ``hook`` still
+        runs on every bucket, and the check's table takes one small all-reduce beside the first bucket's.
+
+        Args:
+            state: passed to ``hook`` with each bucket, as in torch.
+            hook: ``hook(state, bucket) -> Future``, as in torch.
+
+        Raises:
+            RuntimeError: a hook was registered already (torch allows one).
+        """
         if self._bucket_check is None:
             return super().register_comm_hook(state, hook)
         self._check_comm_hook(hook)
@@ -358,6 +323,20 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self._bucket_check.user_hook = (state, hook)
 
     def join(self, *args: Any, **kwargs: Any) -> Any:
+        """torch's ``join()`` context manager, for ranks whose inputs run out at different steps.
+
+        Args:
+            *args: torch's ``join`` arguments (``divide_by_initial_world_size``, ``enable``,
+                ``throw_on_early_termination``).
+            **kwargs: the same, by keyword.
+
+        Returns:
+            torch's join context manager.
+
+        Raises:
+            ValueError: the wrapper was built with ``check_batch`` or ``gather_outputs``: both make every forward a
+                collective, which joined ranks no longer call.
+        """
         if self.check_batch or self.gather_outputs:
             raise ValueError(
                 "DistributedDataParallel.join() lets ranks stop calling forward, but with check_batch or "
@@ -367,6 +346,14 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         return super().join(*args, **kwargs)
 
     def extra_repr(self) -> str:
+        """The settings ``repr()`` shows: the world size and what differs from the defaults.
+
+        Returns:
+            ``"world_size=2, in_dims={'h': 1}, gather_outputs=True"`` and the like.
+
+        Raises:
+            Nothing: it reads the settings only.
+        """
         parts = [f"world_size={self._world}"] + (["inputs='per_rank'"] if self.inputs == "per_rank" else [])
         for name in ("in_dims", "out_dims", "chunk_sizes", "cost"):
             if getattr(self, name) is not None:

@@ -35,7 +35,8 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         costs: one number ``>= 0`` per dataset sample (a 1-D tensor, or a list/tuple/array): its length in tokens,
             its number of nodes... The same values ``cost=`` accepts.
         batch_size: samples per global batch (over all ranks together).
-        rank, world_size: this rank and the number of ranks (default: the initialized process group's).
+        rank: this rank (default: the initialized process group's).
+        world_size: the number of ranks (default: the initialized process group's).
         chunk_sizes: relative weights per rank, as ``DataParallel``'s (a weight of 0 gets nothing).
         shuffle: shuffle the samples every epoch (call :meth:`set_epoch` at each epoch, as with
             ``DistributedSampler``); ``False`` keeps the dataset's order (e.g. already bucketed by length).
@@ -74,7 +75,14 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
-        """Use the shuffle of ``epoch`` (the same on every rank)."""
+        """Use the shuffle of ``epoch`` (the same on every rank), as ``DistributedSampler.set_epoch`` does.
+
+        Args:
+            epoch: the epoch number; call it with the same value on every rank before each epoch.
+
+        Raises:
+            TypeError, ValueError: ``epoch`` is not an int (``int(epoch)`` fails).
+        """
         self.epoch = int(epoch)
 
     def __len__(self) -> int:
@@ -82,7 +90,15 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def global_batches(self) -> list[list[int]]:
-        """This epoch's global batches, as dataset indices in order (the same on every rank)."""
+        """This epoch's global batches, the same on every rank.
+
+        Returns:
+            One list of dataset indices per global batch of ``batch_size`` samples (the last may be shorter unless
+            ``drop_last``), in order: shuffled with ``seed + epoch``, or the dataset's order.
+
+        Raises:
+            Nothing: the costs were checked by the constructor.
+        """
         n = len(self.costs)
         if self.shuffle:
             order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
@@ -91,7 +107,17 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         return [order[i : i + self.batch_size] for i in range(0, len(self) * self.batch_size, self.batch_size)]
 
     def shares(self, batch: Sequence[int]) -> list[int]:
-        """How many samples of ``batch`` (dataset indices in order) each rank gets."""
+        """How many samples of one global batch each rank gets: contiguous shares of least maximal cost.
+
+        Args:
+            batch: dataset indices, in order (one of :meth:`global_batches`).
+
+        Returns:
+            One sample count per rank, summing to ``len(batch)`` (0 for a rank that gets none).
+
+        Raises:
+            IndexError: an index is out of the dataset's range.
+        """
         costs = read_costs(self.costs[torch.as_tensor(batch, dtype=torch.long)], len(batch), "costs")
         return balanced_split(costs.prefix, self.world_size, self.weights)
 

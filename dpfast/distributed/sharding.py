@@ -24,7 +24,16 @@ from .keeping_step import EmptyShare
 
 
 class Share(NamedTuple):
-    """This rank's part of one global batch: rows ``start:stop`` of ``batch_size`` (``None``: nothing to split)."""
+    """This rank's part of one global batch, as ``DistributedDataParallel.share`` holds it after a forward.
+
+    Attributes:
+        rank: this rank.
+        world_size: the number of ranks.
+        batch_size: ``B``, the global batch's size (``None``: nothing was split).
+        sizes: the rows of every rank, in rank order (``()`` when nothing was split).
+        start: this rank's first row of the global batch.
+        stop: one past its last row: its rows are ``start:stop``.
+    """
 
     rank: int
     world_size: int
@@ -35,6 +44,7 @@ class Share(NamedTuple):
 
     @property
     def size(self) -> int:
+        """This rank's number of rows, ``stop - start``."""
         return self.stop - self.start
 
 
@@ -156,9 +166,23 @@ def shard_range(
     *,
     chunk_sizes: Sequence[float] | None = None,
 ) -> range:
-    """The indices ``range(start, stop)`` of ``n`` items that ``rank`` owns: the same contiguous, as-even-as-possible
-    split (earlier ranks take the remainder, ``chunk_sizes`` weights ranks) that :class:`DistributedDataParallel`
-    and ``DataParallel`` use. Nothing is dropped or repeated: the ranges of all ranks partition ``range(n)``."""
+    """The indices of ``n`` items that ``rank`` owns: the contiguous, as-even-as-possible split that
+    :class:`DistributedDataParallel` and ``DataParallel`` make.
+
+    Args:
+        n: the number of items (samples of a dataset, rows of a batch).
+        rank: this rank (default: the initialized process group's).
+        world_size: the number of ranks (default: the initialized process group's).
+        chunk_sizes: relative weights per rank, as ``DataParallel``'s (0 gives a rank nothing).
+
+    Returns:
+        ``range(start, stop)``: earlier ranks take the remainder. Nothing is dropped or repeated: the ranges of all
+        ranks partition ``range(n)``.
+
+    Raises:
+        ValueError: ``rank``/``world_size`` out of range, or not given without an initialized process group; bad
+            ``chunk_sizes`` (another count than ranks, a negative weight).
+    """
     rank, world_size = _rank_world(rank, world_size)
     sizes = split_sizes(n, world_size, rank_weights(chunk_sizes, world_size))
     start = sum(sizes[:rank])
@@ -172,10 +196,24 @@ def shard_dataset(
     *,
     chunk_sizes: Sequence[float] | None = None,
 ) -> torch.utils.data.Subset:
-    """``rank``'s contiguous share of a map-style dataset, as a :class:`torch.utils.data.Subset` (see
-    :func:`shard_range`). For per-rank loading: every rank must still run the same number of steps (DDP's gradient
-    all-reduce is a collective), so with uneven shares use equal step counts or ``torch.utils.data.DistributedSampler``
-    (which pads by repeating samples) instead."""
+    """``rank``'s contiguous share of a map-style dataset, for per-rank loading.
+
+    Every rank must still run the same number of steps (DDP's gradient all-reduce is a collective), so with uneven
+    shares use equal step counts, or ``torch.utils.data.DistributedSampler`` (which pads by repeating samples).
+
+    Args:
+        dataset: a map-style dataset (``len()`` and indexing).
+        rank: this rank (default: the initialized process group's).
+        world_size: the number of ranks (default: the initialized process group's).
+        chunk_sizes: relative weights per rank, as ``DataParallel``'s.
+
+    Returns:
+        A ``torch.utils.data.Subset`` of the indices :func:`shard_range` gives this rank.
+
+    Raises:
+        ValueError: as :func:`shard_range`.
+        TypeError: ``dataset`` has no ``len()``.
+    """
     return torch.utils.data.Subset(dataset, list(shard_range(len(dataset), rank, world_size, chunk_sizes=chunk_sizes)))
 
 
@@ -193,15 +231,27 @@ def shard_batch(
     chunk_sizes: Sequence[float] | None = None,
     cost: Any = None,
 ) -> Any:
-    """``rank``'s share of one global ``batch`` (a tensor or any tuple/list/dict/namedtuple/dataclass tree of them),
-    cut exactly as :class:`DistributedDataParallel` cuts its inputs.
+    """``rank``'s share of one global batch, cut exactly as :class:`DistributedDataParallel` cuts its inputs.
 
-    ``in_dims`` is a spec prefix of ``batch`` (default ``dim`` everywhere; ``None`` leaves keep tensors whole); the
-    batch-size checks and :class:`~dpfast.ScatterError` are ``DataParallel``'s. A rank with no rows gets empty
-    slices. When nothing is split (no tensor with an int spec), every rank gets ``batch`` unchanged.
-    ``cost`` balances per-sample costs as ``DataParallel``'s does: a path rooted at ``batch``
-    (``"batch['lengths']"``) or a callable taking ``batch``. ``rank``/``world_size`` default to the initialized
-    process group's.
+    Args:
+        batch: a tensor, or any tuple/list/dict/namedtuple/dataclass tree of them.
+        rank: this rank (default: the initialized process group's).
+        world_size: the number of ranks (default: the initialized process group's).
+        in_dims: a spec prefix of ``batch``, as ``DataParallel``'s (default ``dim`` everywhere; ``None`` leaves keep
+            tensors whole).
+        dim: the batch axis of every tensor ``in_dims`` does not name.
+        chunk_sizes: relative weights per rank, as ``DataParallel``'s.
+        cost: balances per-sample costs as ``DataParallel``'s does: a path rooted at ``batch``
+            (``"batch['lengths']"``) or a callable taking ``batch``.
+
+    Returns:
+        ``batch`` with every mapped tensor cut to this rank's rows (empty slices for a rank with none); ``batch``
+        itself when nothing is split (no tensor with an int spec).
+
+    Raises:
+        dpfast.ScatterError: the mapped tensors disagree on the batch size, as in ``DataParallel``.
+        TypeError, ValueError: a spec that does not match ``batch``, bad costs, ``rank``/``world_size`` out of
+            range or missing without a process group, bad ``chunk_sizes``.
     """
     rank, world_size = _rank_world(rank, world_size)
     weights = rank_weights(chunk_sizes, world_size)

@@ -27,10 +27,8 @@ _IN_CHECKOUT = os.path.isfile(os.path.join(_CHECKOUT, "setup.py"))
 def _rebuild_command() -> str:
     if _IN_CHECKOUT:
         return f"`pip install --no-build-isolation -e {_CHECKOUT}` (or `make build` there)"
-    return (
-        "`pip install --no-build-isolation --no-deps --force-reinstall <dpfast checkout or sdist>` "
-        "(or `pip install --no-build-isolation --no-deps --force-reinstall --no-binary dpfast dpfast`)"
-    )
+    # dpfast is not on a package index: it is rebuilt from a checkout or an sdist
+    return "`pip install --no-build-isolation --no-deps --force-reinstall <dpfast checkout or sdist>`"
 
 
 _BUILD_HINT = (
@@ -126,15 +124,16 @@ def build_info() -> BuildInfo:
     wrote beside the extension (``_build.json``) and from the extension itself, as ``import dpfast`` loaded it.
 
     Returns:
-        A dict with the keys of :class:`BuildInfo`: ``dpfast_version``, ``torch_version``, ``torch_cuda_version``
-        (``None`` for a CPU-only torch), ``cuda_available``, ``cuda_device_count``, ``extension_loaded`` and
-        ``extension_error`` (why not, or ``None``), ``cuda_kernels_compiled``, ``cuda_arch_list``,
-        ``built_with_torch``, ``build_reason``, ``debug_build``, and ``ops_backend`` (the C++ ops or the
-        plain-PyTorch fallback). A fresh dict each call.
+        A dict with the keys of ``BuildInfo`` (a ``TypedDict``, so type checkers know each key's type):
+        ``dpfast_version``, ``torch_version``, ``torch_cuda_version`` (``None`` for a CPU-only torch),
+        ``cuda_available``, ``cuda_device_count``, ``extension_loaded`` and ``extension_error`` (why not, or
+        ``None``), ``cuda_kernels_compiled``, ``cuda_arch_list``, ``built_with_torch``, ``build_reason``,
+        ``debug_build``, and ``ops_backend`` (the C++ ops or the plain-PyTorch fallback). A fresh dict each call.
 
     Raises:
-        Nothing: a missing or unusable extension is reported here (``extension_loaded``, ``extension_error``), not
-        raised. (With ``DPFAST_REQUIRE_EXTENSION=1`` it is an ``ImportError`` at ``import dpfast`` instead.)
+        Nothing: a missing or unusable extension is reported here (``extension_loaded``, ``extension_error``),
+            not raised. (With ``DPFAST_REQUIRE_EXTENSION=1`` it is an ``ImportError`` at ``import dpfast``
+            instead.)
     """
     from .. import __version__
 

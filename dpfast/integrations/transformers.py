@@ -143,7 +143,8 @@ class _OneDeviceArgs:
 class DataParallelTrainer(transformers.Trainer):
     """``transformers.Trainer`` on :class:`dpfast.DataParallel`: one line to change, the same training.
 
-    Args (besides Trainer's):
+    Args:
+        *args: ``transformers.Trainer``'s positional arguments (``model``, ``args``, ...).
         device_ids: the replicas' devices, as for ``dpfast.DataParallel`` (``["cpu"] * 4`` rehearses 4 GPUs on the
             CPU; ``[0] * 4`` on one GPU). Default ``None``: when Trainer sees several GPUs (``args.n_gpu > 1``),
             all of them; otherwise the model is not wrapped (the plain Trainer).
@@ -151,6 +152,11 @@ class DataParallelTrainer(transformers.Trainer):
             keywords). Default: every input's batch is on axis 0.
         out_dims: as for ``dpfast.DataParallel``, for the outputs other than ``loss``, which this Trainer combines
             itself (see the module docstring). Default: every output is concatenated on axis 0.
+        **kwargs: ``transformers.Trainer``'s keyword arguments (``model=``, ``args=``, ``train_dataset=``, ...).
+
+    Raises:
+        ValueError: ``out_dims`` is a single reduction, or names ``loss`` (this Trainer combines the loss itself).
+        Exception: what ``transformers.Trainer``'s constructor raises for its own arguments.
     """
 
     def __init__(
@@ -202,6 +208,22 @@ class DataParallelTrainer(transformers.Trainer):
     def compute_loss(
         self, model: nn.Module, inputs: dict, return_outputs: bool = False, num_items_in_batch: Any = None
     ) -> Any:
+        """Trainer's ``compute_loss``, with Trainer's loss arithmetic as for one device (dpfast returns the whole
+        batch's loss: there are no per-GPU losses to average).
+
+        Args:
+            model: the model (wrapped in dpfast's DataParallel when training on several replicas).
+            inputs: the batch, as Trainer prepares it.
+            return_outputs: return ``(loss, outputs)`` instead of the loss.
+            num_items_in_batch: the accumulated batch's item count, as Trainer passes it.
+
+        Returns:
+            The loss, or ``(loss, outputs)``, as ``transformers.Trainer.compute_loss`` returns them.
+
+        Raises:
+            RuntimeError: the model returned a loss that is not one scalar per replica.
+            Exception: what the model or Trainer raises.
+        """
         with self._one_device_view():
             return super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch

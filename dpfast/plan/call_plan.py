@@ -136,14 +136,23 @@ def check_input_devices(tree: BoundArguments, devices: Sequence[torch.device]) -
 
 @dataclasses.dataclass(eq=False)
 class CallPlan:
-    """What one call does: ``B``, the chunk per device (or rank), and the bound argument tree. ``str(plan)`` is a
-    table of every argument leaf with its shape, spec and per-replica chunk; nothing is copied to build it.
+    """What one call does, as ``DataParallel.plan()`` returns it: the very plan the call executes.
 
-    ``mode``: ``"split"`` (``B`` split over the devices), ``"once"`` (``B == 0`` or nothing to split: one call on
-    the first device; ``reason`` says which), ``"direct"`` (one device: the module is called directly, like
-    torch) or ``"passthrough"`` (no devices and no CUDA: the module is called directly).
+    ``str(plan)`` is a table of every argument leaf with its shape, spec and per-replica chunk (with ``cost``, each
+    device's cost too); nothing is copied to build it.
 
-    ``balance``: with ``cost``, each device's cost for ``sizes`` and for the count split (else ``None``).
+    Attributes:
+        mode: ``"split"`` (``B`` split over the devices), ``"once"`` (``B == 0`` or nothing to split: one call on
+            the first device; ``reason`` says which), ``"direct"`` (one device: the module is called directly,
+            like torch) or ``"passthrough"`` (no devices and no CUDA: the module is called directly).
+        tree: the call's arguments bound to ``forward``'s parameters and walked, one record per leaf (internal).
+        mapped: the records of the leaves that are split, in call order (internal).
+        batch_size: ``B``, or ``None`` when no tensor is mapped to a batch axis.
+        sizes: the chunk size per device (or rank), 0 for one that gets nothing; ``[]`` when nothing is split.
+        devices: every ``device_ids`` entry, as ``torch.device`` (``[]`` for ranks).
+        output_device: where the outputs are gathered.
+        reason: why nothing is split (``"B = 0"``, ``"one device"``...), else ``""``.
+        balance: with ``cost``, each device's cost for ``sizes`` and for the count split (else ``None``).
     """
 
     mode: str
@@ -158,7 +167,7 @@ class CallPlan:
 
     @property
     def replicas(self) -> list[tuple[int, Any, int]]:
-        """``(index, device, chunk size)`` of every replica that runs."""
+        """``(index, device, chunk size)`` of every replica that runs (those with rows), in device order."""
         if self.mode == "passthrough":
             return []
         first = self.devices[0] if self.devices else 0
@@ -167,7 +176,17 @@ class CallPlan:
         return [(i, self.devices[i] if self.devices else i, s) for i, s in enumerate(self.sizes) if s > 0]
 
     def share(self, part: int) -> tuple[int, int]:
-        """Rows ``start, stop`` of the batch that device (or rank) ``part`` gets."""
+        """The rows of the batch that device (or rank) ``part`` gets.
+
+        Args:
+            part: the device's (or rank's) index in ``devices``.
+
+        Returns:
+            ``(start, stop)``: rows ``start:stop`` of the batch (``start == stop`` for a part that gets none).
+
+        Raises:
+            IndexError: ``part`` is not an index of ``sizes`` (a plan that splits nothing has none).
+        """
         start = sum(self.sizes[:part])
         return start, start + self.sizes[part]
 

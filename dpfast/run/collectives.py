@@ -33,7 +33,15 @@ def _in_process_group() -> bool:
 
 
 def replica_index() -> int:
-    """This replica's index in the running ``DataParallel`` call (or this rank; 0 outside both)."""
+    """This replica's index in the running ``DataParallel`` call, or this rank.
+
+    Returns:
+        The replica's index (0 for the first device's chunk) inside a ``DataParallel`` call; the rank under an
+        initialized ``torch.distributed`` process group; 0 otherwise.
+
+    Raises:
+        Nothing: outside a call and a process group it is 0.
+    """
     ctx = current()
     if ctx is not None:
         return ctx[1]
@@ -41,7 +49,15 @@ def replica_index() -> int:
 
 
 def replica_count() -> int:
-    """How many replicas the running ``DataParallel`` call has (or the world size; 1 outside both)."""
+    """How many replicas the running ``DataParallel`` call has, or the world size.
+
+    Returns:
+        The number of replicas that run this call (those with a chunk of the batch) inside a ``DataParallel`` call;
+        the world size under an initialized ``torch.distributed`` process group; 1 otherwise.
+
+    Raises:
+        Nothing: outside a call and a process group it is 1.
+    """
     ctx = current()
     if ctx is not None:
         return ctx[0].n
@@ -55,7 +71,26 @@ def _check_tensor(name: str, t: object) -> Tensor:
 
 
 def all_gather(t: Tensor, dim: int = 0) -> Tensor:
-    """Every replica's ``t`` concatenated along ``dim``, in replica order (sizes along ``dim`` may differ)."""
+    """Every replica's ``t`` concatenated along ``dim``, in replica order; differentiable.
+
+    Inside a ``DataParallel`` call it works across that call's replicas, under an initialized ``torch.distributed``
+    process group across its ranks, and otherwise it returns ``t``. Backward gives each replica its slice of the
+    sum of every replica's gradient of the result.
+
+    Args:
+        t: this replica's tensor; the replicas' tensors must agree in dtype and in every size but ``dim``'s.
+        dim: the axis to concatenate along (negative counts from the end).
+
+    Returns:
+        The concatenation of every replica's ``t`` along ``dim`` (sizes along ``dim`` may differ per replica), the
+        same bits on every replica, on ``t``'s device.
+
+    Raises:
+        TypeError: ``t`` is not a tensor, or ``dim`` is not an int.
+        IndexError: ``dim`` is out of range for ``t`` (a 0-dim tensor has none: ``t.reshape(1)``).
+        dpfast.CollectiveError: the replicas' tensors do not fit together, a replica called another collective
+            (or none) at this point, or another replica failed before reaching it.
+    """
     t = _check_tensor("all_gather", t)
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"dpfast.all_gather: dim must be an int, got {type(dim).__name__} {dim!r}")
@@ -79,8 +114,26 @@ def all_gather(t: Tensor, dim: int = 0) -> Tensor:
 
 
 def all_reduce(t: Tensor, op: str = "sum") -> Tensor:
-    """Every replica's ``t`` combined by ``op``: ``"sum"``, ``"mean"`` (each replica counts once), ``"max"`` or
-    ``"min"``; every replica gets the result."""
+    """Every replica's ``t`` combined by ``op``; every replica gets the result; differentiable.
+
+    Inside a ``DataParallel`` call it works across that call's replicas, under an initialized ``torch.distributed``
+    process group across its ranks, and otherwise it returns ``t``. The replicas' values are added in replica order,
+    so every replica gets the same bits.
+
+    Args:
+        t: this replica's tensor; every replica's must have the same shape and dtype.
+        op: ``"sum"``, ``"mean"`` (each replica counts once, whatever its share of the batch), ``"max"`` or
+            ``"min"``.
+
+    Returns:
+        The combined tensor, with ``t``'s shape, on ``t``'s device.
+
+    Raises:
+        TypeError: ``t`` is not a tensor.
+        ValueError: ``op`` is not one of the four.
+        dpfast.CollectiveError: the replicas' tensors do not fit together, a replica called another collective
+            (or none) at this point, or another replica failed before reaching it.
+    """
     t = _check_tensor("all_reduce", t)
     if op not in REDUCE_OPS:
         raise ValueError(f"dpfast.all_reduce: op is {op!r}; use one of {', '.join(map(repr, REDUCE_OPS))}")

@@ -26,7 +26,19 @@ _LOCAL = threading.local()
 
 
 class CollectiveError(RuntimeError):
-    """A collective that cannot complete. ``secondary`` when another replica's exception is the cause."""
+    """Raised by ``dpfast.all_gather``/``all_reduce`` (and ``SyncBatchNorm``) when a collective cannot complete.
+
+    The replicas of a call called different collectives at the same point, gave tensors that do not fit together,
+    or one of them returned or raised without reaching the collective the others wait in: never a hang. When another
+    replica's exception is the cause, the call re-raises that root cause instead.
+
+    Args:
+        message: what went wrong, naming the replicas and the collective.
+        secondary: whether another replica's exception is the cause (the call then raises that one).
+
+    Attributes:
+        secondary: as given.
+    """
 
     __module__ = "dpfast"  # printed and pickled as dpfast.CollectiveError, the name users catch it by
 

@@ -38,6 +38,9 @@ class SyncBatchNorm(_BatchNorm):
         dtype: their dtype.
         bias: keyword-only, where torch's BatchNorm takes it: with ``affine``, learn the bias too (``False``: the
             weight only).
+
+    Raises:
+        TypeError, ValueError: invalid arguments, as torch's ``BatchNorm`` raises them.
     """
 
     def _check_input_dim(self, input: Tensor) -> None:

@@ -42,7 +42,9 @@ def test_channels_last_in_is_channels_last_in_every_replica_and_out(shape, axis)
     assert torch.equal(out.view(torch.int32), x.view(torch.int32))
 
 
-@pytest.mark.parametrize(("shape", "axis", "sizes"), [((1, 2, 2, 2), 1, [1, 1]), ((3, 2, 1, 2), 1, [1, 1]), ((1, 2, 2, 2, 2), 1, [1, 1])])
+@pytest.mark.parametrize(
+    ("shape", "axis", "sizes"), [((1, 2, 2, 2), 1, [1, 1]), ((3, 2, 1, 2), 1, [1, 1]), ((1, 2, 2, 2, 2), 1, [1, 1])]
+)
 def test_channels_last_chunks_that_are_also_contiguous_gather_channels_last(shape, axis, sizes):
     """A chunk of one channel (or of 1x1 pixels) is contiguous in both formats; its strides still say NHWC, as they
     do to torch (torch.cat keeps it channels_last), and the gather reads them (found by tests/fuzz_structures.py)."""

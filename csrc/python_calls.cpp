@@ -28,7 +28,9 @@ struct ReleaseGil {
 
 PyObject* not_implemented() { Py_RETURN_NOTIMPLEMENTED; }
 
-// The items of a list or tuple (borrowed), or false for anything else.
+// The items of an exact list or tuple (borrowed), or false for anything else. Borrowing is safe here, unlike in
+// python_args.h: every check below is a type comparison that runs no Python code, so nothing can mutate the
+// list while its items are read, and the op itself runs on the at::Tensor references taken from them.
 bool items_of(PyObject* seq, PyObject* const*& items, Py_ssize_t& n) {
   if (PyList_CheckExact(seq)) {
     items = reinterpret_cast<PyObject* const*>(PySequence_Fast_ITEMS(seq));

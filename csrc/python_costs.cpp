@@ -48,11 +48,6 @@ at::Tensor checked_tensor(at::Tensor t, int64_t dim, const char* what) {
   return t;
 }
 
-at::Tensor unpack_tensor(PyObject* o, const char* what) {
-  TORCH_CHECK_TYPE(THPVariable_Check(o), what, " must be a Tensor");
-  return THPVariable_Unpack(o);
-}
-
 // A value below 2^127 from its (high, low) 64-bit halves, as _splits.py passes them.
 i128 from_halves(PyObject* high, PyObject* low, const char* what) {
   TORCH_CHECK_TYPE(PyLong_Check(high) && PyLong_Check(low), what, " must be ints");

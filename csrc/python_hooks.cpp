@@ -19,10 +19,11 @@ namespace dpfast {
 namespace {
 
 std::vector<c10::Device> devices_of(PyObject* seq, const char* what) {
+  const HeldItems items(seq, what);
   std::vector<c10::Device> out;
-  for (PyObject* o : sequence_items(seq, what)) {
-    TORCH_CHECK_TYPE(THPDevice_Check(o), what, " must hold torch.device objects");
-    out.push_back(reinterpret_cast<THPDevice*>(o)->device);
+  for (size_t i = 0; i < items.size(); ++i) {
+    TORCH_CHECK_TYPE(THPDevice_Check(items[i]), what, " must hold torch.device objects");
+    out.push_back(reinterpret_cast<THPDevice*>(items[i])->device);
   }
   return out;
 }
@@ -151,7 +152,7 @@ struct HostMover {
 PyObject* py_replay_cuda_copy(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(nargs == 4, "expected (srcs, dsts, blocks, threads)");
-  const auto srcs = sequence_items(args[0], "srcs"), dsts = sequence_items(args[1], "dsts");
+  const HeldItems srcs(args[0], "srcs"), dsts(args[1], "dsts");  // the grid sizes' __index__ may empty the lists
   TORCH_CHECK_VALUE(srcs.size() == dsts.size(), "srcs and dsts differ in length");
   const int64_t blocks = PyLong_AsLongLong(args[2]), threads = PyLong_AsLongLong(args[3]);
   if (PyErr_Occurred()) return nullptr;
@@ -160,7 +161,7 @@ PyObject* py_replay_cuda_copy(PyObject*, PyObject* const* args, Py_ssize_t nargs
   const int64_t stride = blocks * threads;
   int64_t moved = 0, planned = 0, n_jobs = 0, n_fallback = 0;
   for (size_t i = 0; i < srcs.size(); ++i) {
-    TORCH_CHECK_TYPE(THPVariable_Check(srcs[i]) && THPVariable_Check(dsts[i]), "srcs and dsts must hold tensors");
+    TORCH_CHECK_TYPE(is_tensor(srcs[i]) && is_tensor(dsts[i]), "srcs and dsts must hold tensors");
     const at::Tensor src = THPVariable_Unpack(srcs[i]), dst = THPVariable_Unpack(dsts[i]);
     TORCH_CHECK_VALUE(src.is_cpu() && dst.is_cpu() && src.sizes() == dst.sizes() && src.dtype() == dst.dtype(),
                       "pair ", i, ": expected CPU tensors of one shape and dtype");

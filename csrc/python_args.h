@@ -1,5 +1,5 @@
-// Argument parsing shared by the private CPython entry points (python_hooks.cpp, python_costs.cpp) and the method
-// tables of all three entry-point files.
+// Argument parsing shared by the private CPython entry points (python_costs.cpp, testing/python_hooks.cpp) and
+// the method tables of all the entry-point files.
 //
 // Reading an argument may run Python code: an int-like item's __index__, the __class__ lookup of isinstance. That
 // code can mutate or free what is being read, so nothing here keeps a borrowed pointer across such a call: a
@@ -20,8 +20,8 @@
 
 namespace dpfast {
 
-// The items of a list or tuple, each held for the lifetime of this object; a TypeError naming `what` for
-// anything else.
+// The items of a list or tuple as they are now, each held for the lifetime of this object; a TypeError naming
+// `what` for anything else.
 class HeldItems {
  public:
   HeldItems(PyObject* seq, const char* what) {

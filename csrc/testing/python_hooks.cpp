@@ -1,7 +1,7 @@
-// Private entry points for the tests (dpfast._C._side_stream_devices and friends): the decisions and the index
-// walk of the CUDA paths, run on the host, so that what does not need a GPU is tested without one.
-#include "python_hooks.h"
-
+// dpfast._C_hooks, the tests' entry points into the C++ (_side_stream_devices and friends): the decisions and the
+// index walk of the CUDA paths, run on the host, so that what does not need a GPU is tested without one. A module of
+// its own, built only where the tests run (DPFAST_TEST_HOOKS=1, as `make build` and `make sanitize` do): a release
+// dpfast._C carries no test code. The headers it includes are the ones dpfast._C compiles.
 #include "python_args.h"
 
 #include "copy_walk.h"
@@ -191,10 +191,12 @@ PyMethodDef methods[] = {
     {"_replay_cuda_copy", DPFAST_FASTCALL(py_replay_cuda_copy), "tests only: the CUDA kernel's walk, on the host"},
     {nullptr, nullptr, 0, nullptr},
 };
-
-
 }  // namespace
-
-PyMethodDef* python_hook_methods() { return methods; }
-
 }  // namespace dpfast
+
+// `import dpfast._C_hooks` after `import torch` (which loads the libraries it links against).
+PyMODINIT_FUNC PyInit__C_hooks(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C_hooks", "dpfast's C++ test hooks", -1,
+                                          dpfast::methods};
+  return PyModule_Create(&module_def);
+}

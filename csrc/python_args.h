@@ -58,8 +58,8 @@ inline int64_t as_int64(PyObject* o, const char* what) {
   return v;
 }
 
-inline std::vector<int64_t> int_list(PyObject* seq, const char* what) {
-  const HeldItems items(seq, what);
+// Take every list argument as HeldItems before converting any: an item's __index__ could change a list read later.
+inline std::vector<int64_t> int_list(const HeldItems& items, const char* what) {
   std::vector<int64_t> out;
   out.reserve(items.size());
   for (size_t i = 0; i < items.size(); ++i) out.push_back(as_int64(items[i], what));

@@ -150,7 +150,8 @@ PyObject* py_balanced_bounds(PyObject*, PyObject* const* args, Py_ssize_t nargs)
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(nargs == 7, "_balanced_bounds(prefix, mult, targets, lo_high, lo_low, hi_high, hi_low)");
   const std::vector<i128> P = read_prefix(unpack_tensor(args[0], "prefix"));
-  const std::vector<int64_t> mult = int_list(args[1], "mult"), targets = int_list(args[2], "targets");
+  const HeldItems mult_items(args[1], "mult"), target_items(args[2], "targets");
+  const std::vector<int64_t> mult = int_list(mult_items, "mult"), targets = int_list(target_items, "targets");
   i128 lo = from_halves(args[3], args[4], "lo"), hi = from_halves(args[5], args[6], "hi");
   const int64_t batch = static_cast<int64_t>(P.size()) - 1;
   const size_t k = mult.size();

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # `make sanitize`: the CPU extension and the tests' C++ hooks built with AddressSanitizer and UBSan (build/sanitize,
 # beside the normal build), then tests/test_ops.py, the argument, memory-safety, cost-arithmetic and kernel-walk
-# tests, and the seeded fuzzer of the ops (tests/fuzz_ops.py) against it. Any sanitizer report fails the run, and is
-# printed.
+# tests, and the seeded fuzzers of the ops (tests/fuzz_ops.py) and of the entry points' argument parsing
+# (tests/fuzz_entry_points.py) against it. Any sanitizer report fails the run, and is printed.
 #   FUZZ_SECONDS (default 60) bounds the fuzzer, FUZZ_SEED (default 0) seeds it; PY is the venv's python.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -48,6 +48,7 @@ run "$(dirname "$py")/pytest" -q -p no:cacheprovider --capture=sys tests/test_op
   tests/test_cuda_decisions_on_host.py || status=$?
 run "$py" tests/fuzz_ops.py --seconds "${FUZZ_SECONDS:-60}" --seed "${FUZZ_SEED:-0}" || status=$?
 run "$py" tests/fuzz_structures.py --seconds "${FUZZ_SECONDS:-60}" --seed "${FUZZ_SEED:-0}" || status=$?
+run "$py" tests/fuzz_entry_points.py --seconds "$(( ${FUZZ_SECONDS:-60} / 3 + 1 ))" --seed "${FUZZ_SEED:-0}" || status=$?
 
 # the tests capture their subprocesses' stderr: a report there fails the test, and shows in its output here
 if grep -E -q "ERROR: AddressSanitizer|runtime error:|SUMMARY: (Address|UndefinedBehavior)Sanitizer" "$log"; then

@@ -253,3 +253,9 @@ def test_entry_point_holds_its_arguments(case, tmp_path):
         pytest.skip("dpfast._C_hooks, the C++ test hooks, is not built (DPFAST_TEST_HOOKS=1, as make build sets it)")
     _run_case(ENTRY_POINT_PRELUDE + code, tmp_path, PYTHONMALLOC="malloc")
 
+
+@needs_extension
+def test_entry_point_fuzzer_finds_nothing(tmp_path):
+    """A short run of `make sanitize`'s fuzzer of the entry points' argument parsing (tests/fuzz_entry_points.py)."""
+    code = f"import sys\nsys.path.insert(0, {os.path.dirname(__file__)!r})\nimport fuzz_entry_points\n"
+    _run_case(code + "assert fuzz_entry_points.main(['--rounds', '3000']) == 0", tmp_path, PYTHONMALLOC="malloc")

@@ -47,10 +47,10 @@ PyObject* device_list(at::ArrayRef<c10::Device> devices) {
 PyObject* py_side_stream_devices(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(nargs == 3 && THPDevice_Check(args[1]), "expected (devices, source, current_index)");
-  const int64_t current = PyLong_AsLongLong(args[2]);
-  if (current == -1 && PyErr_Occurred()) return nullptr;
+  const auto given = devices_of(args[0], "devices");  // in argument order: current's __index__ may change the list
+  const int64_t current = as_int64(args[2], "current_index");
   TORCH_CHECK_VALUE(current >= 0 && current < 128, "current_index ", current, " is out of range");
-  const auto devices = resolve_devices(devices_of(args[0], "devices"), static_cast<c10::DeviceIndex>(current));
+  const auto devices = resolve_devices(given, static_cast<c10::DeviceIndex>(current));
   return device_list(side_stream_devices(devices, reinterpret_cast<THPDevice*>(args[1])->device));
   END_HANDLE_TH_ERRORS
 }
@@ -80,8 +80,10 @@ PyObject* py_node_streams(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 PyObject* py_job_offsets(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(nargs == 4, "expected (sizes, src_strides, dst_strides, units)");
-  const auto sizes = int_list(args[0], "sizes"), ss = int_list(args[1], "src_strides");
-  const auto ds = int_list(args[2], "dst_strides"), units = int_list(args[3], "units");
+  const HeldItems lists[] = {
+      {args[0], "sizes"}, {args[1], "src_strides"}, {args[2], "dst_strides"}, {args[3], "units"}};
+  const auto sizes = int_list(lists[0], "sizes"), ss = int_list(lists[1], "src_strides");
+  const auto ds = int_list(lists[2], "dst_strides"), units = int_list(lists[3], "units");
   TORCH_CHECK_VALUE(!sizes.empty() && sizes.size() <= static_cast<size_t>(kMaxCopyDims) &&
                         ss.size() == sizes.size() && ds.size() == sizes.size(),
                     "expected 1 to ", kMaxCopyDims, " sizes and as many strides of each side");
@@ -154,8 +156,7 @@ PyObject* py_replay_cuda_copy(PyObject*, PyObject* const* args, Py_ssize_t nargs
   TORCH_CHECK_TYPE(nargs == 4, "expected (srcs, dsts, blocks, threads)");
   const HeldItems srcs(args[0], "srcs"), dsts(args[1], "dsts");  // the grid sizes' __index__ may empty the lists
   TORCH_CHECK_VALUE(srcs.size() == dsts.size(), "srcs and dsts differ in length");
-  const int64_t blocks = PyLong_AsLongLong(args[2]), threads = PyLong_AsLongLong(args[3]);
-  if (PyErr_Occurred()) return nullptr;
+  const int64_t blocks = as_int64(args[2], "blocks"), threads = as_int64(args[3], "threads");
   TORCH_CHECK_VALUE(blocks > 0 && threads > 0 && blocks <= (1 << 20) && threads <= 1024, "bad grid ", blocks, " x ",
                     threads);
   const int64_t stride = blocks * threads;

@@ -1,11 +1,11 @@
 // Direct CPython entry points for the ops (dpfast._C._transpose01 and friends), used by dpfast/ops.py.
 //
 // Calling through torch.ops parses every argument into a boxed IValue stack and back, which costs as much as the
-// whole copy of a small LSTM state (benchmarks/RESULTS.md, "call path"). These functions take the common case -- plain tensors (or
-// Parameters), ints, torch.device objects, no __torch_function__ mode -- and call the op's typed dispatcher handle,
-// so autograd, dispatch modes and device kernels behave exactly as through torch.ops. Anything else (subclasses,
-// modes, odd argument types) returns NotImplemented, and the Python wrapper takes the torch.ops path, which
-// handles it and raises the usual errors.
+// whole copy of a small LSTM state (benchmarks/RESULTS.md, "call path"). These functions take the common case --
+// plain tensors (or Parameters), ints, torch.device objects, no __torch_function__ mode -- and call the op's typed
+// dispatcher handle, so autograd, dispatch modes and device kernels behave exactly as through torch.ops. Anything
+// else (subclasses, modes, odd argument types) returns NotImplemented, and the Python wrapper takes the torch.ops
+// path, which handles it and raises the usual errors.
 #include "op_handles.h"
 #include "python_args.h"
 #include "python_calls.h"

@@ -18,17 +18,20 @@ from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RECORD = "_build.json"  # what was built and why, beside the extension, for dpfast.build_info()
-FLAGS = [
+PURE, HOOKS, DEBUG, SANITIZE = [
     os.environ.get(f"DPFAST_{k}", "0") not in ("", "0") for k in ("PURE_PYTHON", "TEST_HOOKS", "DEBUG", "SANITIZE")
 ]
-PURE, HOOKS, DEBUG, SANITIZE = FLAGS
 # -fno-wrapv undoes the -fwrapv of Python's own flags, which would hide signed overflow from UBSan
 SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-fno-wrapv"]
-COMPILING = {"build", "build_ext", "bdist_wheel", "editable_wheel", "develop", "install"}  # commands that compile
+# whether this run of setup.py compiles (pip runs it for metadata first): only then does it say what it decides
+COMPILING = not PURE and bool(
+    {"build", "build_ext", "bdist_wheel", "editable_wheel", "develop", "install"} & {*sys.argv}
+)
 
 
 def log(msg: str) -> None:
-    print(f"[dpfast build] {msg}", file=sys.stderr, flush=True)
+    if COMPILING:
+        print(f"[dpfast build] {msg}", file=sys.stderr, flush=True)
 
 
 def setuptools_problem(version: str) -> str | None:
@@ -230,10 +233,9 @@ def packages() -> list[str]:
 def main() -> None:
     import setuptools
 
-    compiling = not PURE and bool(COMPILING & set(sys.argv[1:]))
-    problem = setuptools_problem(setuptools.__version__) or (compiler_problem() if compiling else None)
+    problem = setuptools_problem(setuptools.__version__) or (compiler_problem() if COMPILING else None)
     torch = None if PURE or "sdist" in sys.argv[1:] else import_torch()  # an sdist builds against any torch
-    if torch is None and compiling and not problem:
+    if torch is None and COMPILING and not problem:
         problem = "torch is not installed: install the torch dpfast will run with first, then build against it"
     if problem:
         raise SystemExit(f"[dpfast build] {problem}")

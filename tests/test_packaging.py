@@ -242,6 +242,29 @@ def test_extension_built_for_another_torch_is_not_loaded_and_says_how_to_rebuild
     assert "ImportError" in proc.stderr and "built against torch 2.3.1+cu118" in proc.stderr
 
 
+def test_extension_built_without_a_gpu_warns_where_there_is_one(tmp_path):
+    """DPFAST_CUDA=auto leaves the CUDA kernels out where no GPU is visible (a container build, say); on a machine
+    with a GPU that extension cannot take CUDA tensors, and says so at import, with what to do."""
+    if not _extension.LOADED:
+        pytest.skip("the extension is not built")
+    record = dict(_extension.RECORD or {}, cuda_kernels=False, cuda_skipped_without_gpu=True, torch=torch.__version__)
+    shutil.copytree(PACKAGE, tmp_path / "dpfast", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "dpfast" / "_build.json").write_text(json.dumps(record))
+    code = "import torch\ntorch.cuda.is_available = lambda: {}\nimport dpfast"
+    env = {k: v for k, v in os.environ.items() if k != "DPFAST_REQUIRE_EXTENSION"} | {"PYTHONPATH": str(tmp_path)}
+    for gpu in (True, False):
+        proc = subprocess.run(
+            [sys.executable, "-W", "always", "-c", code.format(gpu)],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        warned = "built without its CUDA kernels because no GPU was visible" in proc.stderr
+        assert warned == gpu and (not gpu or "DPFAST_CUDA=1" in proc.stderr), proc.stderr[-2000:]
+
+
 def test_build_record_says_why_and_is_reported():
     if not _extension.LOADED:
         pytest.skip("the extension is not built")

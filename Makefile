@@ -25,11 +25,9 @@ venv: $(VENV)/.deps
 
 # ninja keeps objects in build/, so only changed sources recompile. pip shows a build's output only with -v: the
 # [dpfast build] lines (what is compiled and why) come to the terminal as they are written, everything goes to
-# build/build.log, and the log's end is shown if the build fails. The tests' C++ hooks (dpfast._C_hooks) are built
-# too.
+# build/build.log, and the log's end is shown if the build fails.
 build: SHELL := /bin/bash
 build: .SHELLFLAGS := -o pipefail -c
-build: export DPFAST_TEST_HOOKS ?= 1
 build: venv
 	@mkdir -p build
 	@$(PY) -m pip install -v --no-build-isolation --no-deps -e . 2>&1 | tee build/build.log | \
@@ -37,6 +35,8 @@ build: venv
 	  { tail -n 30 build/build.log; echo "[make build] failed; the whole log: build/build.log"; exit 1; }
 	$(PY) -m dpfast info
 
+# the tests' C++ hooks (dpfast._C_hooks, csrc/testing/) are built for the tests only
+test: export DPFAST_TEST_HOOKS ?= 1
 test: build lint typecheck docs
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 

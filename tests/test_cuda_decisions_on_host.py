@@ -3,7 +3,7 @@
 dpfast._C_hooks (csrc/testing/python_hooks.cpp) exposes the very functions the CUDA code calls -- which GPUs
 scatter serves on side streams, which streams a backward node bridges, the kernel's per-unit offsets and its
 per-thread walk -- so that a mistake in them fails here, not only on the GPU machine. That module is built only for
-the tests (DPFAST_TEST_HOOKS=1: `make build`, `make sanitize`); where it is not (an installed wheel), this file skips.
+the tests (DPFAST_TEST_HOOKS=1: `make test`, `make sanitize`); where it is not (an installed wheel), this file skips.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dp_testing import assert_bitexact, random_bits
 
 if not (loader.RECORD or {}).get("test_hooks"):
     pytest.skip(
-        "dpfast._C_hooks, the C++ test hooks, is not built here: it is built with DPFAST_TEST_HOOKS=1 (make build, "
+        "dpfast._C_hooks, the C++ test hooks, is not built here: it is built with DPFAST_TEST_HOOKS=1 (make test, "
         "make sanitize); installed wheels leave it out",
         allow_module_level=True,
     )

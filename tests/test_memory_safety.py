@@ -250,7 +250,7 @@ def test_case_ends_cleanly(case, tmp_path):
 def test_entry_point_holds_its_arguments(case, tmp_path):
     code = textwrap.dedent(ENTRY_POINT_CASES[case])
     if "hooks." in code and not (loader.RECORD or {}).get("test_hooks"):
-        pytest.skip("dpfast._C_hooks, the C++ test hooks, is not built (DPFAST_TEST_HOOKS=1, as make build sets it)")
+        pytest.skip("dpfast._C_hooks, the C++ test hooks, is not built (DPFAST_TEST_HOOKS=1, as make test sets it)")
     _run_case(ENTRY_POINT_PRELUDE + code, tmp_path, PYTHONMALLOC="malloc")
 
 

@@ -1,6 +1,6 @@
 // dpfast._C_hooks, the tests' entry points into the C++ (_side_stream_devices and friends): the decisions and the
 // index walk of the CUDA paths, run on the host, so that what does not need a GPU is tested without one. A module of
-// its own, built only where the tests run (DPFAST_TEST_HOOKS=1, as `make build` and `make sanitize` do): a release
+// its own, built only where the tests run (DPFAST_TEST_HOOKS=1, as `make test` and `make sanitize` do): a release
 // dpfast._C carries no test code. The headers it includes are the ones dpfast._C compiles.
 #include "python_args.h"
 

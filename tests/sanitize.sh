@@ -10,6 +10,7 @@ py="$(command -v "${PY:-.venv/bin/python}")"
 py="$(cd "$(dirname "$py")" && pwd)/$(basename "$py")"  # absolute (the venv's link itself, not its target)
 out="$PWD/build/sanitize"
 lib="$out/lib"
+mkdir -p "$out"  # a fresh tree has no build/ yet
 
 echo "[sanitize] building the CPU extension with -fsanitize=address,undefined into $lib"
 DPFAST_SANITIZE=1 DPFAST_CUDA=0 DPFAST_TEST_HOOKS=1 "$py" setup.py -q build_ext --build-lib "$lib" \

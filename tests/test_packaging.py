@@ -117,36 +117,36 @@ def toolkit(tmp_path):
 
 def test_toolkit_of_another_cuda_major_than_torch_builds_cpu_only_or_fails_naming_both(setup_py, toolkit):
     facts = ("2.8.0+cu128", "12.8", toolkit, "nvcc on PATH", "13.0", True)
-    on, reason = setup_py.decide_cuda("auto", *facts)
+    on, reason = setup_py.cuda.decide_cuda("auto", *facts)
     assert not on
     assert "CUDA 13.0" in reason and "built for CUDA 12.8" in reason and "CUDA_HOME" in reason
     with pytest.raises(SystemExit, match=r"DPFAST_CUDA=1 .*CUDA 13\.0 .*CUDA 12\.8"):
-        setup_py.decide_cuda("1", *facts)
-    on, reason = setup_py.decide_cuda("auto", "2.14.1+cu130", "13.0", toolkit, "nvcc on PATH", "13.0", True)
+        setup_py.cuda.decide_cuda("1", *facts)
+    on, reason = setup_py.cuda.decide_cuda("auto", "2.14.1+cu130", "13.0", toolkit, "nvcc on PATH", "13.0", True)
     assert on and "torch CUDA 13.0" in reason
-    assert setup_py.decide_cuda("auto", "2.14.1+cu130", "13.0", toolkit, "CUDA_HOME", "13.2", True)[0]
+    assert setup_py.cuda.decide_cuda("auto", "2.14.1+cu130", "13.0", toolkit, "CUDA_HOME", "13.2", True)[0]
 
 
 def test_missing_toolkit_or_cpu_torch(setup_py, tmp_path):
-    on, reason = setup_py.decide_cuda("auto", "2.4.0+cpu", None, None, "no nvcc", None, True)
+    on, reason = setup_py.cuda.decide_cuda("auto", "2.4.0+cpu", None, None, "no nvcc", None, True)
     assert not on and "CPU-only build" in reason and "no CUDA toolkit" in reason
     with pytest.raises(SystemExit, match="DPFAST_CUDA=1 but CUDA kernels cannot be built"):
-        setup_py.decide_cuda("1", "2.14.1+cu130", "13.0", None, "no nvcc", None, True)
+        setup_py.cuda.decide_cuda("1", "2.14.1+cu130", "13.0", None, "no nvcc", None, True)
     with pytest.raises(SystemExit, match=f"{tmp_path} \\(CUDA_HOME=x\\) is no CUDA toolkit"):  # no cuda_runtime.h
-        setup_py.decide_cuda("1", "2.14.1+cu130", "13.0", str(tmp_path), "CUDA_HOME=x", "13.0", True)
-    assert setup_py.decide_cuda("0", "2.14.1+cu130", "13.0", None, "", None, True) == (False, "DPFAST_CUDA=0")
+        setup_py.cuda.decide_cuda("1", "2.14.1+cu130", "13.0", str(tmp_path), "CUDA_HOME=x", "13.0", True)
+    assert setup_py.cuda.decide_cuda("0", "2.14.1+cu130", "13.0", None, "", None, True) == (False, "DPFAST_CUDA=0")
     with pytest.raises(SystemExit, match="DPFAST_CUDA='yes' is not one of auto, 1, 0"):
-        setup_py.decide_cuda("yes", "2.14.1", "13.0", None, "", None, True)
+        setup_py.cuda.decide_cuda("yes", "2.14.1", "13.0", None, "", None, True)
 
 
 def test_auto_compiles_no_cuda_kernels_that_could_not_run_here(setup_py, toolkit):
     """nvcc but no GPU (a newcomer's laptop, this CI machine): minutes of nvcc for kernels nothing here can run.
     DPFAST_CUDA=1 still compiles them (CI, a wheel for GPU machines)."""
     facts = ("2.14.1+cu130", "13.0", toolkit, "nvcc on PATH", "13.0")
-    on, reason = setup_py.decide_cuda("auto", *facts, False)
+    on, reason = setup_py.cuda.decide_cuda("auto", *facts, False)
     assert not on and "no GPU is visible" in reason and "DPFAST_CUDA=1 compiles them anyway" in reason
-    assert setup_py.decide_cuda("1", *facts, False)[0]
-    assert setup_py.decide_cuda("auto", *facts, True)[0]
+    assert setup_py.cuda.decide_cuda("1", *facts, False)[0]
+    assert setup_py.cuda.decide_cuda("auto", *facts, True)[0]
 
 
 def test_cpu_extension_and_its_record(setup_py, monkeypatch):
@@ -164,39 +164,39 @@ def test_cpu_extension_and_its_record(setup_py, monkeypatch):
 def test_default_arch_list_is_torchs_architectures_that_nvcc_supports(setup_py):
     torch_archs = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_90a", "sm_100", "sm_120"]
     nvcc_archs = ["compute_75", "compute_80", "compute_86", "compute_89", "compute_90", "compute_100"]
-    assert setup_py.default_arch_list(torch_archs, nvcc_archs) == "7.5;8.0;8.6;9.0;10.0+PTX"
-    assert setup_py.default_arch_list(torch_archs, []) == "7.5;8.0;8.6;9.0;10.0;12.0+PTX"  # nvcc did not say
-    assert setup_py.default_arch_list(["sm_50"], ["compute_90"]) is None
+    assert setup_py.cuda.default_arch_list(torch_archs, nvcc_archs) == "7.5;8.0;8.6;9.0;10.0+PTX"
+    assert setup_py.cuda.default_arch_list(torch_archs, []) == "7.5;8.0;8.6;9.0;10.0;12.0+PTX"  # nvcc did not say
+    assert setup_py.cuda.default_arch_list(["sm_50"], ["compute_90"]) is None
 
 
 def test_arch_list_without_a_gpu_is_one_torch_accepts(setup_py, monkeypatch):
     """torch's own pick, with TORCH_CUDA_ARCH_LIST unset and no GPU, raises IndexError (torch 2.14)."""
     if torch.version.cuda is None:
         pytest.skip("torch is a CPU-only build")
-    root, _ = setup_py.find_cuda_home()
+    root, _ = setup_py.cuda.find_cuda_home()
     if root is None:
         pytest.skip("no CUDA toolkit")
     from torch.utils import cpp_extension
 
     monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    arch_list, why = setup_py.choose_arch_list(torch, root)
+    arch_list, why = setup_py.cuda.choose_arch_list(torch, root)
     assert arch_list.endswith("+PTX") and "no GPU visible" in why
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", arch_list)
     flags = cpp_extension._get_cuda_arch_flags()
     assert "-gencode=arch=compute_90,code=sm_90" in flags
     assert any(re.fullmatch(r"-gencode=arch=compute_(\d+),code=compute_\1", f) for f in flags)  # +PTX
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
-    assert setup_py.choose_arch_list(torch, root) == ("9.0", "TORCH_CUDA_ARCH_LIST")
+    assert setup_py.cuda.choose_arch_list(torch, root) == ("9.0", "TORCH_CUDA_ARCH_LIST")
 
 
 def test_toolkit_version_is_read_from_nvcc(setup_py):
-    root, how = setup_py.find_cuda_home()
+    root, how = setup_py.cuda.find_cuda_home()
     if root is None:
         pytest.skip("no CUDA toolkit")
     # also where `nvcc` is a wrapper script (here: /usr/local/bin/nvcc), whose folder torch's own guess takes
     assert os.path.isfile(os.path.join(root, "include", "cuda_runtime.h")), (root, how)
-    assert re.fullmatch(r"\d+\.\d+", setup_py.nvcc_version(root) or "")
+    assert re.fullmatch(r"\d+\.\d+", setup_py.cuda.nvcc_version(root) or "")
 
 
 # ---- the build record and the built-against torch ---------------------------------------------------------------

@@ -13,6 +13,7 @@ all: test
 
 # The venv is (re)made when missing or when the dependency list changes.
 $(VENV)/.deps: pyproject.toml Makefile
+	@echo "[make venv] installing torch and the test tools into $(VENV): minutes the first time (a few GB)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip "setuptools>=77" wheel
 	$(PY) -m pip install -q "torch>=2.4" ninja build pytest hypothesis expecttest numpy matplotlib ruff transformers accelerate torchvision mypy \
@@ -22,11 +23,20 @@ $(VENV)/.deps: pyproject.toml Makefile
 
 venv: $(VENV)/.deps
 
-# ninja keeps objects in build/, so only changed sources recompile.
+# ninja keeps objects in build/, so only changed sources recompile. pip shows a build's output only with -v: the
+# [dpfast build] lines (what is compiled and why) come to the terminal as they are written, everything goes to
+# build/build.log, and the log's end is shown if the build fails.
+build: SHELL := /bin/bash
+build: .SHELLFLAGS := -o pipefail -c
 build: venv
-	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	@mkdir -p build
+	@$(PY) -m pip install -v --no-build-isolation --no-deps -e . 2>&1 | tee build/build.log | \
+	  grep --line-buffered '\[dpfast build\]' || \
+	  { tail -n 30 build/build.log; echo "[make build] failed; the whole log: build/build.log"; exit 1; }
 	$(PY) -m dpfast info
 
+# the tests' C++ hooks (dpfast._C_hooks, csrc/testing/) are built for the tests only
+test: export DPFAST_TEST_HOOKS ?= 1
 test: build lint typecheck docs
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
@@ -62,6 +72,7 @@ info: build
 # release line). A wheel to hand out covers every architecture torch was built for, unless DIST_CUDA_ARCH_LIST says.
 DIST_CUDA_ARCH_LIST ?=
 dist: export TORCH_CUDA_ARCH_LIST = $(DIST_CUDA_ARCH_LIST)
+dist: export DPFAST_TEST_HOOKS = 0
 dist: venv
 	rm -rf dist
 	$(PY) -m build --no-isolation --outdir dist .

@@ -20,7 +20,10 @@ make dist PY="$py"
 sdist=$(ls dist/dpfast-*.tar.gz)
 wheel=$(ls dist/dpfast-*.whl)
 torch_version=$("$py" -c "import torch; print(torch.__version__.split('+')[0])")
-unzip -p "$wheel" '*.dist-info/METADATA' | grep -qx "Requires-Dist: torch==${torch_version%.*}.\*" \
+# to a file first: `grep -q` stops reading at the match, and under pipefail unzip's SIGPIPE (a METADATA longer than
+# the pipe's 64 KiB, README included) would fail the step
+unzip -p "$wheel" '*.dist-info/METADATA' > "$work/METADATA"
+grep -qx "Requires-Dist: torch==${torch_version%.*}.\*" "$work/METADATA" \
   || fail "the wheel does not pin torch ${torch_version%.*}.*"
 
 step "a fresh venv: pip install the wheel with its extras (pip picks the torch the wheel pins)"

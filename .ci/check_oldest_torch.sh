@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The oldest supported torch, 2.4, in a venv of its own: `pip install --no-build-isolation -e .` with a setuptools
 # older than 77 must stop with what to install; plain `pip install .` (build isolation) must build CPU-only against
-# the venv's torch 2.4, not one pip downloads; then the whole suite, from outside the tree, against that install
-# (tests of features that need a newer torch skip, saying which).
+# the venv's torch 2.4, not one pip downloads (with the tests' C++ hooks, so that their tests run on 2.4's headers
+# too); then the whole suite, from outside the tree, against that install (tests of features that need a newer
+# torch skip, saying which).
 #   PYTHON: the interpreter for the venv; TORCH_OLDEST: the torch to install (default 2.4.0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,8 +27,8 @@ fi
 grep -q "pip install 'setuptools>=77' wheel ninja" "$work/old-setuptools.log" \
   || { cat "$work/old-setuptools.log"; fail "no clear message about the setuptools version"; }
 
-step "plain pip install . (build isolation), CPU kernels only"
-DPFAST_CUDA=0 "$v/pip" install -q .
+step "plain pip install . (build isolation), CPU kernels only, with the tests' C++ hooks"
+DPFAST_CUDA=0 DPFAST_TEST_HOOKS=1 "$v/pip" install -q .
 "$v/pip" install -q 'setuptools>=77'  # the packaging tests read setup.py, which refuses an older one
 
 step "the suite, from outside the tree, on torch $("$v/python" -c 'import torch; print(torch.__version__)')"

@@ -18,7 +18,7 @@ py="${PYTHON:-$(command -v python3 || command -v python)}"
 [ -n "$py" ] || { echo "no python3 or python on PATH; set PYTHON" >&2; exit 2; }
 dry="${DPFAST_GPU_CHECK_DRY:-0}"
 budget="${DPFAST_GPU_CHECK_BUDGET:-540}"
-export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" DPFAST_CUDA=1 DPFAST_REQUIRE_EXTENSION=1
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" DPFAST_CUDA=1 DPFAST_REQUIRE_EXTENSION=1 DPFAST_TEST_HOOKS=1
 export MAX_JOBS="${MAX_JOBS:-$(nproc 2>/dev/null || echo 8)}" PYTHONDONTWRITEBYTECODE=1
 summary="$out/summary.txt"
 start=$SECONDS
@@ -126,10 +126,11 @@ if has build; then
     echo "setuptools $("$py" -c 'import setuptools; print(setuptools.__version__)') < 77: building without pyproject.toml"
     "$py" -c "
 import sys; sys.path.insert(0, '.')
-import setup
+import setup, torch
 from setuptools import Distribution
-d = Distribution({'name': 'dpfast', 'packages': ['dpfast'], 'ext_modules': [setup.extension()],
-                  'cmdclass': {'build_ext': setup.build_ext_class()}, 'script_args': ['build_ext', '--inplace']})
+exts, record = setup.extensions(torch)
+d = Distribution({'name': 'dpfast', 'packages': ['dpfast'], 'ext_modules': exts,
+                  'cmdclass': {'build_ext': setup.build_ext_class(record)}, 'script_args': ['build_ext', '--inplace']})
 d.parse_command_line()
 d.run_commands()"
   }

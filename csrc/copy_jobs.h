@@ -65,6 +65,55 @@ DPFAST_HD void job_offsets(const CopyJob& job, int64_t u, int64_t& src_off, int6
 
 namespace dpfast {
 
+// A copy's geometry once size-1 dims are dropped and contiguous neighbours merged: innermost dim first, strides in
+// bytes on both sides. (At most 64 dims: a tensor has no more.)
+struct CoalescedDims {
+  int64_t size[64], src_stride[64], dst_stride[64];
+  int ndim = 0;
+};
+
+// Merges each dim into its inner neighbour when both sides are laid out contiguously across the pair.
+inline CoalescedDims coalesce(c10::IntArrayRef shape, c10::IntArrayRef src_stride, c10::IntArrayRef dst_stride,
+                              int64_t element_size) {
+  CoalescedDims c;
+  int& nd = c.ndim;
+  for (int64_t d = static_cast<int64_t>(shape.size()) - 1; d >= 0; --d) {
+    const int64_t size = shape[d];
+    if (size == 1) continue;  // carries no information
+    const int64_t s_st = src_stride[d] * element_size, d_st = dst_stride[d] * element_size;
+    if (nd > 0 && s_st == c.src_stride[nd - 1] * c.size[nd - 1] && d_st == c.dst_stride[nd - 1] * c.size[nd - 1]) {
+      c.size[nd - 1] *= size;  // the merged dim keeps the inner stride
+      continue;
+    }
+    c.size[nd] = size;
+    c.src_stride[nd] = s_st;
+    c.dst_stride[nd] = d_st;
+    ++nd;
+  }
+  if (nd == 0) {  // a single element
+    c.size[0] = 1;
+    c.src_stride[0] = c.dst_stride[0] = element_size;
+    nd = 1;
+  }
+  return c;
+}
+
+// The widest unit (16, 8, ... bytes, down to the element) that the innermost run, both addresses and every stride
+// allow, when the innermost run is contiguous on both sides; the innermost dim is then counted in those units.
+inline int64_t widen_unit(CoalescedDims& c, uintptr_t src, uintptr_t dst, int64_t element_size) {
+  if (c.src_stride[0] != element_size || c.dst_stride[0] != element_size) return element_size;
+  for (int64_t w = 16; w > element_size; w /= 2) {
+    bool ok = (c.size[0] * element_size) % w == 0 && src % w == 0 && dst % w == 0;
+    for (int k = 1; ok && k < c.ndim; ++k) ok = c.src_stride[k] % w == 0 && c.dst_stride[k] % w == 0;
+    if (ok) {
+      c.size[0] = c.size[0] * element_size / w;
+      c.src_stride[0] = c.dst_stride[0] = w;
+      return w;
+    }
+  }
+  return element_size;
+}
+
 // What one launch moves: jobs for the executor, plus (rarely) pairs with too many non-mergeable dims.
 struct CopyBatch {
   std::vector<CopyJob> jobs;
@@ -80,80 +129,44 @@ struct CopyBatch {
       if (s == 0) return;  // before multiplying: a zero anywhere makes the product of the others irrelevant
     }
     const int64_t es = static_cast<int64_t>(element_size);
-    int64_t n = 1;
-    bool overflow = false;
-    for (int64_t s : shape) overflow |= c10::mul_overflows(n, s, &n);
-    int64_t n_bytes = 0;
-    overflow |= c10::mul_overflows(n, es, &n_bytes) || dpfast::add_overflows(bytes, n_bytes, &bytes);
-    TORCH_CHECK(!overflow, "dpfast: a copy of ", shape.size(), "-dim shape overflows a 64-bit byte count");
-
-    // Dims of size 1 carry no information; then merge each dim into its inner neighbour when both sides
-    // are laid out contiguously across the pair, innermost first.
-    int64_t sz[64], ss[64], ds[64];
-    int nd = 0;
-    for (int64_t d = static_cast<int64_t>(shape.size()) - 1; d >= 0; --d) {
-      const int64_t size = shape[d];
-      if (size == 1) continue;
-      const int64_t s_st = src_stride[d] * es, d_st = dst_stride[d] * es;
-      if (nd > 0 && s_st == ss[nd - 1] * sz[nd - 1] && d_st == ds[nd - 1] * sz[nd - 1]) {
-        sz[nd - 1] *= size;  // merged dim keeps the inner stride
-        continue;
-      }
-      sz[nd] = size;
-      ss[nd] = s_st;
-      ds[nd] = d_st;
-      ++nd;
-    }
-    if (nd == 0) {  // a single element
-      sz[0] = 1;
-      ss[0] = es;
-      ds[0] = es;
-      nd = 1;
-    }
-    if (nd > kMaxCopyDims) {
-      const int64_t es_base = static_cast<int64_t>(src_base.element_size());
-      auto offset = [&](const at::Tensor& base, const void* p) {
-        return base.storage_offset() +
-               (static_cast<const char*>(p) - static_cast<const char*>(base.const_data_ptr())) / es_base;
-      };
-      fallback.emplace_back(src_base.as_strided(shape, src_stride, offset(src_base, src_ptr)),
-                            dst_base.as_strided(shape, dst_stride, offset(dst_base, dst_ptr)));
+    count_bytes(shape, es);
+    CoalescedDims dims = coalesce(shape, src_stride, dst_stride, es);
+    if (dims.ndim > kMaxCopyDims) {
+      fallback.emplace_back(view(src_base, src_ptr, shape, src_stride), view(dst_base, dst_ptr, shape, dst_stride));
       return;
     }
-
-    // Widen the unit when the innermost run is contiguous on both sides and everything is aligned to it.
-    const auto sp = reinterpret_cast<uintptr_t>(src_ptr);
-    const auto dp = reinterpret_cast<uintptr_t>(dst_ptr);
-    int64_t unit = es;
-    if (ss[0] == es && ds[0] == es) {
-      for (int64_t w = 16; w > es; w /= 2) {
-        bool ok = (sz[0] * es) % w == 0 && sp % w == 0 && dp % w == 0;
-        for (int k = 1; ok && k < nd; ++k) ok = ss[k] % w == 0 && ds[k] % w == 0;
-        if (ok) {
-          unit = w;
-          break;
-        }
-      }
-      if (unit != es) {
-        sz[0] = sz[0] * es / unit;
-        ss[0] = unit;
-        ds[0] = unit;
-      }
-    }
-
+    const auto sp = reinterpret_cast<uintptr_t>(src_ptr), dp = reinterpret_cast<uintptr_t>(dst_ptr);
+    const int64_t unit = widen_unit(dims, sp, dp, es);
     CopyJob job{};
     job.src = reinterpret_cast<const char*>(sp);
     job.dst = reinterpret_cast<char*>(dp);
-    job.ndim = nd;
+    job.ndim = dims.ndim;
     job.unit = static_cast<int32_t>(unit);
     job.numel = 1;
-    for (int k = 0; k < nd; ++k) {  // sz/ss/ds are innermost-first; jobs are outermost-first
-      job.sizes[nd - 1 - k] = sz[k];
-      job.src_strides[nd - 1 - k] = ss[k];
-      job.dst_strides[nd - 1 - k] = ds[k];
-      job.numel *= sz[k];
+    for (int k = 0; k < dims.ndim; ++k) {  // dims are innermost-first; jobs are outermost-first
+      job.sizes[dims.ndim - 1 - k] = dims.size[k];
+      job.src_strides[dims.ndim - 1 - k] = dims.src_stride[k];
+      job.dst_strides[dims.ndim - 1 - k] = dims.dst_stride[k];
+      job.numel *= dims.size[k];
     }
     jobs.push_back(job);
+  }
+
+ private:
+  // Adds the copy's size to `bytes`; a count past 64 bits (zero-stride views make that cheap) is an error.
+  void count_bytes(c10::IntArrayRef shape, int64_t element_size) {
+    int64_t n = 1, n_bytes = 0;
+    bool overflow = false;
+    for (int64_t s : shape) overflow |= c10::mul_overflows(n, s, &n);
+    overflow |= c10::mul_overflows(n, element_size, &n_bytes) || dpfast::add_overflows(bytes, n_bytes, &bytes);
+    TORCH_CHECK(!overflow, "dpfast: a copy of ", shape.size(), "-dim shape overflows a 64-bit byte count");
+  }
+
+  // The view of `base` that `ptr` and this geometry describe, for Tensor::copy_.
+  static at::Tensor view(const at::Tensor& base, const void* ptr, c10::IntArrayRef shape, c10::IntArrayRef stride) {
+    const auto from = static_cast<const char*>(base.const_data_ptr());
+    const int64_t offset = (static_cast<const char*>(ptr) - from) / static_cast<int64_t>(base.element_size());
+    return base.as_strided(shape, stride, base.storage_offset() + offset);
   }
 };
 

@@ -1,6 +1,6 @@
 // How the CUDA kernel walks a CopyJob: which units each thread moves, in which groups, with which index math.
-// Host and device code, so that the host can replay the kernel's exact walk (python_hooks.cpp) and the tests can
-// check, without a GPU, that every unit is moved exactly once to the right place.
+// Host and device code, so that the host can replay the kernel's exact walk (testing/python_hooks.cpp) and the tests
+// can check, without a GPU, that every unit is moved exactly once to the right place.
 #pragma once
 
 #include "copy_jobs.h"

@@ -1,6 +1,6 @@
 // Which GPUs a multi-device op or backward node must order its work against: plain logic on device lists, shared
-// by the CUDA scatter and the backward nodes, and reachable from Python (python_hooks.cpp) so that it is tested
-// without a GPU.
+// by the CUDA scatter and the backward nodes, and reachable from Python (testing/python_hooks.cpp) so that it is
+// tested without a GPU.
 #pragma once
 
 #include <c10/core/Device.h>

@@ -1,11 +1,11 @@
 // Direct CPython entry points for the ops (dpfast._C._transpose01 and friends), used by dpfast/ops.py.
 //
 // Calling through torch.ops parses every argument into a boxed IValue stack and back, which costs as much as the
-// whole copy of a small LSTM state (benchmarks/RESULTS.md, "call path"). These functions take the common case -- plain tensors (or
-// Parameters), ints, torch.device objects, no __torch_function__ mode -- and call the op's typed dispatcher handle,
-// so autograd, dispatch modes and device kernels behave exactly as through torch.ops. Anything else (subclasses,
-// modes, odd argument types) returns NotImplemented, and the Python wrapper takes the torch.ops path, which
-// handles it and raises the usual errors.
+// whole copy of a small LSTM state (benchmarks/RESULTS.md, "call path"). These functions take the common case --
+// plain tensors (or Parameters), ints, torch.device objects, no __torch_function__ mode -- and call the op's typed
+// dispatcher handle, so autograd, dispatch modes and device kernels behave exactly as through torch.ops. Anything
+// else (subclasses, modes, odd argument types) returns NotImplemented, and the Python wrapper takes the torch.ops
+// path, which handles it and raises the usual errors.
 #include "op_handles.h"
 #include "python_args.h"
 #include "python_calls.h"
@@ -28,7 +28,9 @@ struct ReleaseGil {
 
 PyObject* not_implemented() { Py_RETURN_NOTIMPLEMENTED; }
 
-// The items of a list or tuple (borrowed), or false for anything else.
+// The items of an exact list or tuple (borrowed), or false for anything else. Borrowing is safe here, unlike in
+// python_args.h: every check below is a type comparison that runs no Python code, so nothing can mutate the
+// list while its items are read, and the op itself runs on the at::Tensor references taken from them.
 bool items_of(PyObject* seq, PyObject* const*& items, Py_ssize_t& n) {
   if (PyList_CheckExact(seq)) {
     items = reinterpret_cast<PyObject* const*>(PySequence_Fast_ITEMS(seq));

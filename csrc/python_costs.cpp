@@ -1,6 +1,7 @@
 // Exact arithmetic for cost-balanced splits, in 128-bit integers: dpfast._C._exact_prefix and
-// dpfast._C._balanced_bounds. dpfast/_costs.py and dpfast/_splits.py hold the same arithmetic on Python ints: that
-// is the reference, and it runs where these decline (numbers wider than kBits) or the extension is not loaded.
+// dpfast._C._balanced_bounds. dpfast/plan/costs.py and dpfast/plan/splits.py hold the same arithmetic on Python
+// ints: that is the reference, and it runs where these decline (numbers wider than kBits) or the extension is not
+// loaded.
 // Here B costs are read and split without building B Python integers, which is what made float costs slow.
 #include "python_costs.h"
 
@@ -46,11 +47,6 @@ at::Tensor checked_tensor(at::Tensor t, int64_t dim, const char* what) {
                     " must not be a negated, conjugated or zero-tensor view (resolve it first)");
   TORCH_CHECK_VALUE(inside_storage(t), what, " reaches past its storage");
   return t;
-}
-
-at::Tensor unpack_tensor(PyObject* o, const char* what) {
-  TORCH_CHECK_TYPE(THPVariable_Check(o), what, " must be a Tensor");
-  return THPVariable_Unpack(o);
 }
 
 // A value below 2^127 from its (high, low) 64-bit halves, as _splits.py passes them.
@@ -100,7 +96,9 @@ PyObject* py_exact_prefix(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (is_float) {
     const double* x = t.const_data_ptr<double>();
     for (int64_t i = 0; i < n; ++i) {
-      if (!decompose(x[i], mant[i], exps[i])) return Py_BuildValue("(LOO)", static_cast<long long>(i), Py_None, Py_None);
+      if (!decompose(x[i], mant[i], exps[i])) {
+        return Py_BuildValue("(LOO)", static_cast<long long>(i), Py_None, Py_None);
+      }
       if (mant[i] != 0) e_min = std::min(e_min, exps[i]);
     }
   } else {
@@ -147,33 +145,20 @@ std::vector<i128> read_prefix(const at::Tensor& t) {
   return out;
 }
 
-// _balanced_bounds(prefix, mult, targets, lo_high, lo_low, hi_high, hi_low) -> list of k + 1 bounds: the search of
-// dpfast._splits.balanced_split for k devices, on the prefix sums of _exact_prefix. mult: the k positive
-// multipliers, targets: the count split's k cumulative ends, lo and hi: the first bracket of the optimum. The
-// caller keeps every cost times its multiplier below 2^126 (so hi is, too).
-PyObject* py_balanced_bounds(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
-  TORCH_CHECK_TYPE(nargs == 7, "_balanced_bounds(prefix, mult, targets, lo_high, lo_low, hi_high, hi_low)");
-  const std::vector<i128> P = read_prefix(unpack_tensor(args[0], "prefix"));
-  const std::vector<int64_t> mult = int_list(args[1], "mult"), targets = int_list(args[2], "targets");
-  i128 lo = from_halves(args[3], args[4], "lo"), hi = from_halves(args[5], args[6], "hi");
-  const int64_t batch = static_cast<int64_t>(P.size()) - 1;
-  const size_t k = mult.size();
-  TORCH_CHECK_VALUE(k >= 1 && targets.size() == k, "mult and targets must hold one entry per device");
-  for (size_t j = 0; j < k; ++j) {
-    TORCH_CHECK_VALUE(mult[j] >= 1, "mult[", j, "] must be >= 1");
-    TORCH_CHECK_VALUE(targets[j] >= 0 && targets[j] <= batch && (j == 0 || targets[j] >= targets[j - 1]),
-                      "targets must be cumulative sizes within the batch");
-    TORCH_CHECK_VALUE(P[batch] <= (static_cast<i128>(1) << 126) / mult[j], "a cost times mult[", j,
-                      "] reaches 2^126");
-  }
-  TORCH_CHECK_VALUE(lo >= 0 && lo <= hi && hi < (static_cast<i128>(1) << 126), "lo and hi must bracket the optimum");
+// The search of dpfast.plan.splits.balanced_split for k devices, on the prefix sums P of _exact_prefix.
+struct BalancedSearch {
+  std::vector<i128> P;           // P[i]: the summed cost of samples [0, i)
+  std::vector<int64_t> mult;     // the k positive multipliers
+  std::vector<int64_t> targets;  // the count split's k cumulative ends
+  int64_t batch;
+
   // the last index in [start, batch] whose prefix sum is <= x (x >= P[start])
-  auto reach = [&](int64_t start, i128 x) {
+  int64_t reach(int64_t start, i128 x) const {
     return static_cast<int64_t>(std::upper_bound(P.begin() + start, P.end(), x) - P.begin()) - 1;
-  };
-  // the largest counted cost of the greedy split at u, or -1 when it leaves samples
-  auto covers = [&](i128 u) -> i128 {
+  }
+
+  // the largest counted cost of the greedy split at cap u, or -1 when it leaves samples over
+  i128 covers(i128 u) const {
     int64_t end = 0;
     i128 top = 0;
     for (const int64_t m : mult) {
@@ -183,33 +168,47 @@ PyObject* py_balanced_bounds(PyObject*, PyObject* const* args, Py_ssize_t nargs)
       if (end == batch) return top;
     }
     return -1;
-  };
-  while (lo < hi) {
-    const i128 mid = (lo + hi) / 2;
-    const i128 top = covers(mid);
-    if (top < 0) {
-      lo = mid + 1;
-    } else {
-      hi = top;
+  }
+
+  // the smallest cap in [lo, hi] whose greedy split covers the batch (hi does)
+  i128 optimum(i128 lo, i128 hi) const {
+    while (lo < hi) {
+      const i128 mid = (lo + hi) / 2;
+      const i128 top = covers(mid);
+      if (top < 0) {
+        lo = mid + 1;
+      } else {
+        hi = top;
+      }
     }
+    return lo;
   }
-  std::vector<i128> caps(k);
-  for (size_t j = 0; j < k; ++j) caps[j] = lo / mult[j];
-  std::vector<int64_t> low(k + 1, 0), bounds{0};
-  low[k] = batch;
-  for (size_t j = k - 1; j >= 1; --j) {
-    low[j] = static_cast<int64_t>(std::lower_bound(P.begin(), P.begin() + low[j + 1], P[low[j + 1]] - caps[j]) -
-                                  P.begin());
+
+  // k + 1 boundaries within the optimum's caps, each as near the count split's as the caps allow
+  std::vector<int64_t> bounds(i128 best) const {
+    const size_t k = mult.size();
+    std::vector<i128> caps(k);
+    for (size_t j = 0; j < k; ++j) caps[j] = best / mult[j];
+    std::vector<int64_t> low(k + 1, 0), out{0};
+    low[k] = batch;
+    for (size_t j = k - 1; j >= 1; --j) {
+      low[j] = static_cast<int64_t>(std::lower_bound(P.begin(), P.begin() + low[j + 1], P[low[j + 1]] - caps[j]) -
+                                    P.begin());
+    }
+    for (size_t j = 0; j + 1 < k; ++j) {
+      const int64_t start = out.back();
+      out.push_back(std::min(std::max({targets[j], low[j + 1], start}), reach(start, P[start] + caps[j])));
+    }
+    out.push_back(batch);
+    return out;
   }
-  for (size_t j = 0; j + 1 < k; ++j) {
-    const int64_t start = bounds.back();
-    bounds.push_back(std::min(std::max({targets[j], low[j + 1], start}), reach(start, P[start] + caps[j])));
-  }
-  bounds.push_back(batch);
-  PyObject* list = PyList_New(static_cast<Py_ssize_t>(bounds.size()));
+};
+
+PyObject* int_list_object(const std::vector<int64_t>& values) {
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(values.size()));
   if (list == nullptr) return nullptr;
-  for (size_t i = 0; i < bounds.size(); ++i) {
-    PyObject* v = PyLong_FromLongLong(bounds[i]);
+  for (size_t i = 0; i < values.size(); ++i) {
+    PyObject* v = PyLong_FromLongLong(values[i]);
     if (v == nullptr) {
       Py_DECREF(list);
       return nullptr;
@@ -217,16 +216,40 @@ PyObject* py_balanced_bounds(PyObject*, PyObject* const* args, Py_ssize_t nargs)
     PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), v);
   }
   return list;
+}
+
+// _balanced_bounds(prefix, mult, targets, lo_high, lo_low, hi_high, hi_low) -> list of k + 1 bounds: the search of
+// dpfast.plan.splits.balanced_split for k devices, on the prefix sums of _exact_prefix. mult: the k positive
+// multipliers, targets: the count split's k cumulative ends, lo and hi: the first bracket of the optimum. The
+// caller keeps every cost times its multiplier below 2^126 (so hi is, too).
+PyObject* py_balanced_bounds(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(nargs == 7, "_balanced_bounds(prefix, mult, targets, lo_high, lo_low, hi_high, hi_low)");
+  const HeldItems mult_items(args[1], "mult"), target_items(args[2], "targets");
+  BalancedSearch search{read_prefix(unpack_tensor(args[0], "prefix")), int_list(mult_items, "mult"),
+                        int_list(target_items, "targets"), 0};
+  const i128 lo = from_halves(args[3], args[4], "lo"), hi = from_halves(args[5], args[6], "hi");
+  const std::vector<i128>& P = search.P;
+  const int64_t batch = search.batch = static_cast<int64_t>(P.size()) - 1;
+  const size_t k = search.mult.size();
+  TORCH_CHECK_VALUE(k >= 1 && search.targets.size() == k, "mult and targets must hold one entry per device");
+  for (size_t j = 0; j < k; ++j) {
+    const int64_t m = search.mult[j], target = search.targets[j];
+    TORCH_CHECK_VALUE(m >= 1, "mult[", j, "] must be >= 1");
+    TORCH_CHECK_VALUE(target >= 0 && target <= batch && (j == 0 || target >= search.targets[j - 1]),
+                      "targets must be cumulative sizes within the batch");
+    TORCH_CHECK_VALUE(P[batch] <= (static_cast<i128>(1) << 126) / m, "a cost times mult[", j, "] reaches 2^126");
+  }
+  TORCH_CHECK_VALUE(lo >= 0 && lo <= hi && hi < (static_cast<i128>(1) << 126), "lo and hi must bracket the optimum");
+  return int_list_object(search.bounds(search.optimum(lo, hi)));
   END_HANDLE_TH_ERRORS
 }
 
 PyMethodDef methods[] = {
-    {"_exact_prefix", DPFAST_FASTCALL(py_exact_prefix), "per-sample costs as 128-bit prefix sums (dpfast/_costs.py)"},
-    {"_balanced_bounds", DPFAST_FASTCALL(py_balanced_bounds), "the cost-balanced split's search (dpfast/_splits.py)"},
+    {"_exact_prefix", DPFAST_FASTCALL(py_exact_prefix), "per-sample costs as 128-bit prefix sums (plan/costs.py)"},
+    {"_balanced_bounds", DPFAST_FASTCALL(py_balanced_bounds), "the cost-balanced split's search (plan/splits.py)"},
     {nullptr, nullptr, 0, nullptr},
 };
-
-
 }  // namespace
 
 PyMethodDef* python_cost_methods() { return methods; }

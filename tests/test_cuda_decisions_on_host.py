@@ -1,12 +1,14 @@
 """The CUDA paths' decisions and the copy kernel's index walk, run on the host (no GPU needed).
 
-dpfast._C exposes the very functions the CUDA code calls -- which GPUs scatter serves on side streams, which
-streams a backward node bridges, the kernel's per-unit offsets and its per-thread walk -- so that a mistake in
-them fails here, not only on the GPU machine.
+dpfast._C_hooks (csrc/testing/python_hooks.cpp) exposes the very functions the CUDA code calls -- which GPUs
+scatter serves on side streams, which streams a backward node bridges, the kernel's per-unit offsets and its
+per-thread walk -- so that a mistake in them fails here, not only on the GPU machine. That module is built only for
+the tests (DPFAST_TEST_HOOKS=1: `make test`, `make sanitize`); where it is not (an installed wheel), this file skips.
 """
 
 from __future__ import annotations
 
+import importlib
 import random
 
 import pytest
@@ -14,14 +16,17 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import dpfast
+from dpfast.ext import loader
 
 from dp_testing import assert_bitexact, random_bits
 
-pytestmark = pytest.mark.skipif(not dpfast.build_info()["extension_loaded"], reason="dpfast._C not built")
-
-if dpfast.build_info()["extension_loaded"]:
-    from dpfast.ext.loader import C
+if not (loader.RECORD or {}).get("test_hooks"):
+    pytest.skip(
+        "dpfast._C_hooks, the C++ test hooks, is not built here: it is built with DPFAST_TEST_HOOKS=1 (make test, "
+        "make sanitize); installed wheels leave it out",
+        allow_module_level=True,
+    )
+hooks = importlib.import_module("dpfast._C_hooks")  # built: a failure to load it is an error, not a skip
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")  # unindexed: the current device
@@ -34,39 +39,39 @@ C0, C1, C2 = (torch.device("cuda", i) for i in range(3))
 def test_unindexed_cuda_is_the_current_device_not_another_gpu():
     """'cuda' compared as is with the source's 'cuda:0' passed for another GPU: a side-stream copy into the same
     device that nothing made the caller's stream wait for."""
-    assert C._side_stream_devices([CUDA, CUDA], C0, 0) == []
-    assert C._side_stream_devices([CUDA, C0], C0, 0) == []
-    assert C._side_stream_devices([CUDA, C0], C0, 1) == [C1]  # the current device is cuda:1: it is another GPU
+    assert hooks._side_stream_devices([CUDA, CUDA], C0, 0) == []
+    assert hooks._side_stream_devices([CUDA, C0], C0, 0) == []
+    assert hooks._side_stream_devices([CUDA, C0], C0, 1) == [C1]  # the current device is cuda:1: it is another GPU
 
 
 def test_side_streams_serve_each_other_gpu_once_and_never_the_cpu():
-    assert C._side_stream_devices([C1, CPU, C0, C1, C2, CUDA], C0, 0) == [C1, C2]
-    assert C._side_stream_devices([CPU, CPU], C0, 0) == []
+    assert hooks._side_stream_devices([C1, CPU, C0, C1, C2, CUDA], C0, 0) == [C1, C2]
+    assert hooks._side_stream_devices([CPU, CPU], C0, 0) == []
 
 
 def test_no_side_stream_or_event_when_every_chunk_stays_on_the_source():
     """The [0, 0] rehearsal: nothing to fork, so scatter makes no event at all."""
-    assert C._side_stream_devices([C0, C0], C0, 0) == []
-    assert C._side_stream_devices([C1, C1, CPU], C1, 0) == []
+    assert hooks._side_stream_devices([C0, C0], C0, 0) == []
+    assert hooks._side_stream_devices([C1, C1, CPU], C1, 0) == []
 
 
 def test_backward_node_bridges_the_other_gpus_it_touches():
     # SplitBackward: its gradients live where the chunks went; its own device is the first CUDA one among them
-    assert C._node_streams([CPU, C1, C0, C1], [CPU, C1, C0, C1]) == (C1, [C0])
-    assert C._node_streams([C0, C0], [C0, C0]) == (C0, [])  # one GPU: the engine's own sync is enough
+    assert hooks._node_streams([CPU, C1, C0, C1], [CPU, C1, C0, C1]) == (C1, [C0])
+    assert hooks._node_streams([C0, C0], [C0, C0]) == (C0, [])  # one GPU: the engine's own sync is enough
     # GatherBackward: its own device is the output's, and it writes the chunks' devices
-    assert C._node_streams([C0], [C0, C1, CPU, C1, C2]) == (C0, [C1, C2])
+    assert hooks._node_streams([C0], [C0, C1, CPU, C1, C2]) == (C0, [C1, C2])
     # a node on the CPU has no stream of its own: the engine orders its CUDA outputs by their devices' streams
-    assert C._node_streams([CPU], [C0, C1]) == (None, [])
+    assert hooks._node_streams([CPU], [C0, C1]) == (None, [])
 
 
 def test_decision_hooks_reject_bad_arguments():
     with pytest.raises(TypeError):
-        C._side_stream_devices(["cuda"], C0, 0)
+        hooks._side_stream_devices(["cuda"], C0, 0)
     with pytest.raises(ValueError, match="out of range"):
-        C._side_stream_devices([C0], C0, -1)
+        hooks._side_stream_devices([C0], C0, -1)
     with pytest.raises(TypeError):
-        C._node_streams([C0])
+        hooks._node_streams([C0])
 
 
 # ---- the kernel's offsets: bit-exact against plain integer arithmetic, also past 2^32 units ----------------------
@@ -108,15 +113,15 @@ def test_kernel_offsets_match_integer_arithmetic(sizes):
         src = [rng.choice([0, 1, 2, 16]) * rng.randint(1, 1 << 20) * rng.choice([1, -1]) for _ in sizes]
         dst = [rng.randint(0, 1 << 24) for _ in sizes]
         units = sample_units(numel, rng)
-        got = C._job_offsets(sizes, src, dst, units)
+        got = hooks._job_offsets(sizes, src, dst, units)
         assert got == [expected_offsets(sizes, src, dst, u) for u in units]
 
 
 def test_kernel_offsets_refuse_units_outside_the_job():
     with pytest.raises(IndexError):
-        C._job_offsets([3, 4], [4, 1], [4, 1], [12])
+        hooks._job_offsets([3, 4], [4, 1], [4, 1], [12])
     with pytest.raises(ValueError):
-        C._job_offsets([3, 0], [4, 1], [4, 1], [0])
+        hooks._job_offsets([3, 0], [4, 1], [4, 1], [0])
 
 
 # ---- the kernel's walk: every unit moved exactly once, to its place, whatever the grid ---------------------------
@@ -140,7 +145,7 @@ def layouts(x, rng):
 
 
 def replay(src, dst, grid):
-    moved, planned, _jobs, _fallback = C._replay_cuda_copy([src], [dst], *grid)
+    moved, planned, _jobs, _fallback = hooks._replay_cuda_copy([src], [dst], *grid)
     assert moved == planned, f"the walk moved {moved} units of {planned}: a unit skipped or moved twice"
 
 
@@ -184,6 +189,6 @@ def test_property_kernel_walk_is_a_bijection(shape, dtype, blocks, threads, perm
     base = random_bits([s + offset for s in shape], dtype, seed=perm_seed).permute(*perm)
     src = base[tuple(slice(offset, offset + shape[p]) for p in perm)]
     dst = torch.empty(src.shape, dtype=dtype)
-    moved, planned, jobs, fallback = C._replay_cuda_copy([src], [dst], blocks, threads)
+    moved, planned, jobs, fallback = hooks._replay_cuda_copy([src], [dst], blocks, threads)
     assert moved == planned and jobs + fallback == 1
     assert_bitexact(dst, src, contiguous=False)

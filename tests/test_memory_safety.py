@@ -14,6 +14,9 @@ import textwrap
 import pytest
 
 import dpfast
+from dpfast.ext import loader
+
+needs_extension = pytest.mark.skipif(not dpfast.build_info()["extension_loaded"], reason="dpfast._C not built")
 
 PRELUDE = """
 import torch, dpfast
@@ -125,18 +128,134 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_case_ends_cleanly(case, tmp_path):
-    code = PRELUDE + textwrap.dedent(CASES[case]) + "\nprint('OK')\n"
-    env = dict(os.environ, PYTHONFAULTHANDLER="1")
+# The private CPython entry points (csrc/python_*.cpp, csrc/testing/) with arguments whose Python hooks run while
+# the extension reads them: an item's __index__ that empties the list it sits in (every item after it is freed), and
+# objects whose __class__ claims to be a Tensor (isinstance believes it; the memory is no Tensor). Each call must
+# give what the same call with a plain copy of the arguments gives, or a TypeError. PYTHONMALLOC=malloc hands every
+# freed Python object back to the C allocator, so a read of one fails here and AddressSanitizer sees it in
+# `make sanitize`.
+ENTRY_POINT_PRELUDE = """
+import torch, dpfast
+from dpfast.ext.loader import C, RECORD
+if (RECORD or {}).get("test_hooks"):
+    import dpfast._C_hooks as hooks
+
+class Emptying:
+    # an int whose __index__ empties the lists it names first: the extension must hold its own references
+    def __init__(self, value, *lists):
+        self.value, self.lists = value, lists
+    def __index__(self):
+        for items in self.lists:
+            items.clear()
+        return self.value
+
+def hostile(values):
+    # values[0] as an Emptying of this very list, then fresh int objects (above 256: not Python's cached ints)
+    items = []
+    items.append(Emptying(values[0], items))
+    items.extend(int(str(v)) for v in values[1:])
+    return items
+
+class NotATensor:
+    @property
+    def __class__(self):
+        return torch.Tensor
+
+def same_as_plain(fn, *plain_args, hostile_args):
+    expected = fn(*plain_args)
+    got = fn(*hostile_args)
+    assert got == expected, (got, expected)
+
+def type_error(fn, *args):
+    try:
+        fn(*args)
+    except TypeError as e:
+        assert "must be a Tensor" in str(e) or "must hold tensors" in str(e), e
+    else:
+        raise AssertionError("no TypeError")
+"""
+
+ENTRY_POINT_CASES = {
+    "job_offsets_units_emptied_by_an_item": """
+        sizes, strides = [2**20, 2**20], [2**20, 1]
+        units = [2**33 + 7 * i for i in range(64)]
+        same_as_plain(hooks._job_offsets, sizes, strides, strides, units,
+                      hostile_args=(sizes, strides, strides, hostile(units)))
+    """,
+    "job_offsets_sizes_emptied_by_an_item": """
+        sizes, strides = [300, 400, 500], [200000, 500, 1]
+        same_as_plain(hooks._job_offsets, sizes, strides, strides, [1000],
+                      hostile_args=(hostile(sizes), strides, hostile(strides), [1000]))
+    """,
+    "balanced_bounds_mult_and_targets_emptied_by_an_item": """
+        prefix = torch.zeros(1001, 2, dtype=torch.long)
+        prefix[:, 1] = torch.arange(1001) * 3
+        mult = [1000 + i for i in range(64)]
+        targets = [min(1000, 300 + 10 * i) for i in range(64)]
+        args = (0, 0, 0, 3000 * 2000)
+        same_as_plain(C._balanced_bounds, prefix, mult, targets, *args,
+                      hostile_args=(prefix, hostile(mult), targets, *args))
+        same_as_plain(C._balanced_bounds, prefix, mult, targets, *args,
+                      hostile_args=(prefix, mult, hostile(targets), *args))
+    """,
+    "replay_cuda_copy_lists_emptied_by_the_grid_size": """
+        def pairs():
+            srcs = [torch.arange(300.0 + i) for i in range(64)]
+            return srcs, [torch.empty_like(s) for s in srcs]
+        srcs, dsts = pairs()
+        expected = hooks._replay_cuda_copy(srcs, dsts, 2, 32)
+        srcs, dsts = pairs()
+        got = hooks._replay_cuda_copy(srcs, dsts, Emptying(2, srcs, dsts), 32)
+        assert got == expected, (got, expected)
+    """,
+    "replay_cuda_copy_object_claiming_to_be_a_tensor": """
+        x = torch.arange(4.0)
+        type_error(hooks._replay_cuda_copy, [NotATensor()], [x], 1, 32)
+        type_error(hooks._replay_cuda_copy, [x], [NotATensor()], 1, 32)
+    """,
+    "cost_entry_points_object_claiming_to_be_a_tensor": """
+        type_error(C._exact_prefix, NotATensor())
+        type_error(C._balanced_bounds, NotATensor(), [1], [1], 0, 0, 0, 1)
+    """,
+}
+
+
+def _run_case(code: str, tmp_path, **env_overrides) -> None:
+    env = dict(os.environ, PYTHONFAULTHANDLER="1", **env_overrides)
     # from another folder: `python -c` puts its working directory first on sys.path, and dpfast must come from
     # where the test session's own dpfast comes from (an installed or sanitized build, not the source tree)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in [os.path.dirname(os.path.dirname(dpfast.__file__)), env.get("PYTHONPATH", "")] if p
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path
+        [sys.executable, "-c", code + "\nprint('OK')\n"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
     )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), (
         f"exit code {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     )
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_case_ends_cleanly(case, tmp_path):
+    _run_case(PRELUDE + textwrap.dedent(CASES[case]), tmp_path)
+
+
+@needs_extension
+@pytest.mark.parametrize("case", sorted(ENTRY_POINT_CASES))
+def test_entry_point_holds_its_arguments(case, tmp_path):
+    code = textwrap.dedent(ENTRY_POINT_CASES[case])
+    if "hooks." in code and not (loader.RECORD or {}).get("test_hooks"):
+        pytest.skip("dpfast._C_hooks, the C++ test hooks, is not built (DPFAST_TEST_HOOKS=1, as make test sets it)")
+    _run_case(ENTRY_POINT_PRELUDE + code, tmp_path, PYTHONMALLOC="malloc")
+
+
+@needs_extension
+def test_entry_point_fuzzer_finds_nothing(tmp_path):
+    """A short run of `make sanitize`'s fuzzer of the entry points' argument parsing (tests/fuzz_entry_points.py)."""
+    code = f"import sys\nsys.path.insert(0, {os.path.dirname(__file__)!r})\nimport fuzz_entry_points\n"
+    _run_case(code + "assert fuzz_entry_points.main(['--rounds', '3000']) == 0", tmp_path, PYTHONMALLOC="malloc")

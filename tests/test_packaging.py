@@ -44,10 +44,7 @@ def setup_py():
         pytest.skip("needs dpfast's source tree (setup.py)")
     spec = importlib.util.spec_from_file_location("dpfast_setup", TREE / "setup.py")
     module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)  # defines the helpers; setup() runs only under __main__
-    except SystemExit as exc:  # its setuptools check
-        pytest.skip(str(exc))
+    spec.loader.exec_module(module)  # defines the helpers; setup() runs only under __main__
     return module
 
 
@@ -99,10 +96,9 @@ def test_sdist_holds_every_tracked_file_whatever_the_building_machine(tmp_path):
 
 
 def test_old_setuptools_is_refused_with_what_to_install(setup_py):
-    with pytest.raises(SystemExit, match=r"setuptools 65\.5\.0 is too old.*pip install 'setuptools>=77' wheel ninja"):
-        setup_py.check_setuptools("65.5.0")
-    setup_py.check_setuptools("77.0.3")
-    setup_py.check_setuptools("80.9.0")
+    problem = setup_py.setuptools_problem("65.5.0")
+    assert re.search(r"setuptools 65\.5\.0 is too old.*pip install 'setuptools>=77' wheel ninja", problem)
+    assert setup_py.setuptools_problem("77.0.3") is None and setup_py.setuptools_problem("80.9.0") is None
 
 
 def test_wheel_requires_the_torch_release_line_it_was_built_against(setup_py):
@@ -111,72 +107,96 @@ def test_wheel_requires_the_torch_release_line_it_was_built_against(setup_py):
     assert setup_py.torch_requirement(None) == "torch>=2.4"
 
 
-def test_toolkit_of_another_cuda_major_than_torch_builds_cpu_only_or_fails_naming_both(setup_py):
-    facts = ("2.8.0+cu128", "12.8", "/usr/local/cuda-13.0", "nvcc on PATH", "13.0")
-    on, reason = setup_py.decide_cuda("auto", *facts)
+@pytest.fixture
+def toolkit(tmp_path):
+    """A folder that looks like a CUDA toolkit to decide_cuda (it has include/cuda_runtime.h)."""
+    (tmp_path / "include").mkdir()
+    (tmp_path / "include" / "cuda_runtime.h").write_text("")
+    return str(tmp_path)
+
+
+def test_toolkit_of_another_cuda_major_than_torch_builds_cpu_only_or_fails_naming_both(setup_py, toolkit):
+    facts = ("2.8.0+cu128", "12.8", toolkit, "nvcc on PATH", "13.0", True)
+    on, reason = setup_py.cuda.decide_cuda("auto", *facts)
     assert not on
     assert "CUDA 13.0" in reason and "built for CUDA 12.8" in reason and "CUDA_HOME" in reason
     with pytest.raises(SystemExit, match=r"DPFAST_CUDA=1 .*CUDA 13\.0 .*CUDA 12\.8"):
-        setup_py.decide_cuda("1", *facts)
-    on, reason = setup_py.decide_cuda("auto", "2.14.1+cu130", "13.0", "/usr/local/cuda-13.0", "nvcc on PATH", "13.0")
+        setup_py.cuda.decide_cuda("1", *facts)
+    on, reason = setup_py.cuda.decide_cuda("auto", "2.14.1+cu130", "13.0", toolkit, "nvcc on PATH", "13.0", True)
     assert on and "torch CUDA 13.0" in reason
-    assert setup_py.decide_cuda("auto", "2.14.1+cu130", "13.0", "/opt/cuda-13.2", "CUDA_HOME", "13.2")[0]
+    assert setup_py.cuda.decide_cuda("auto", "2.14.1+cu130", "13.0", toolkit, "CUDA_HOME", "13.2", True)[0]
 
 
-def test_missing_toolkit_or_cpu_torch(setup_py):
-    on, reason = setup_py.decide_cuda("auto", "2.4.0+cpu", None, None, "no nvcc", None)
+def test_missing_toolkit_or_cpu_torch(setup_py, tmp_path):
+    on, reason = setup_py.cuda.decide_cuda("auto", "2.4.0+cpu", None, None, "no nvcc", None, True)
     assert not on and "CPU-only build" in reason and "no CUDA toolkit" in reason
     with pytest.raises(SystemExit, match="DPFAST_CUDA=1 but CUDA kernels cannot be built"):
-        setup_py.decide_cuda("1", "2.14.1+cu130", "13.0", None, "no nvcc", None)
-    assert setup_py.decide_cuda("0", "2.14.1+cu130", "13.0", None, "", None) == (False, "DPFAST_CUDA=0")
+        setup_py.cuda.decide_cuda("1", "2.14.1+cu130", "13.0", None, "no nvcc", None, True)
+    with pytest.raises(SystemExit, match=f"{tmp_path} \\(CUDA_HOME=x\\) is no CUDA toolkit"):  # no cuda_runtime.h
+        setup_py.cuda.decide_cuda("1", "2.14.1+cu130", "13.0", str(tmp_path), "CUDA_HOME=x", "13.0", True)
+    assert setup_py.cuda.decide_cuda("0", "2.14.1+cu130", "13.0", None, "", None, True) == (False, "DPFAST_CUDA=0")
     with pytest.raises(SystemExit, match="DPFAST_CUDA='yes' is not one of auto, 1, 0"):
-        setup_py.decide_cuda("yes", "2.14.1", "13.0", None, "", None)
+        setup_py.cuda.decide_cuda("yes", "2.14.1", "13.0", None, "", None, True)
+
+
+def test_auto_compiles_no_cuda_kernels_that_could_not_run_here(setup_py, toolkit):
+    """nvcc but no GPU (a newcomer's laptop, this CI machine): minutes of nvcc for kernels nothing here can run.
+    DPFAST_CUDA=1 still compiles them (CI, a wheel for GPU machines)."""
+    facts = ("2.14.1+cu130", "13.0", toolkit, "nvcc on PATH", "13.0")
+    on, reason = setup_py.cuda.decide_cuda("auto", *facts, False)
+    assert not on and "no GPU is visible" in reason and "DPFAST_CUDA=1 compiles them anyway" in reason
+    assert setup_py.cuda.decide_cuda("1", *facts, False)[0]
+    assert setup_py.cuda.decide_cuda("auto", *facts, True)[0]
+
+
+def test_cpu_extension_and_its_record(setup_py, monkeypatch):
+    """What setup.py builds with DPFAST_CUDA=0: the CPU sources only, no test hooks in dpfast._C, and a record that
+    says so (the GPU check builds through these same functions where setuptools is too old for pyproject.toml)."""
+    monkeypatch.setenv("DPFAST_CUDA", "0")
+    exts, record = setup_py.extensions(torch)
+    assert exts[0].name == "dpfast._C" and [e.name for e in exts[1:]] == ["dpfast._C_hooks"] * setup_py.HOOKS
+    assert not [f for f in exts[0].sources if "cuda" in f or "testing" in f] and "csrc/dpfast.cpp" in exts[0].sources
+    assert record["reason"] == "DPFAST_CUDA=0" and record["cuda_kernels"] is False and record["extension"] is True
+    assert record["torch"] == torch.__version__ and record["cuda_skipped_without_gpu"] is False
+    assert issubclass(setup_py.build_ext_class(record), __import__("setuptools").Command)
 
 
 def test_default_arch_list_is_torchs_architectures_that_nvcc_supports(setup_py):
     torch_archs = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_90a", "sm_100", "sm_120"]
     nvcc_archs = ["compute_75", "compute_80", "compute_86", "compute_89", "compute_90", "compute_100"]
-    assert setup_py.default_arch_list(torch_archs, nvcc_archs) == "7.5;8.0;8.6;9.0;10.0+PTX"
-    assert setup_py.default_arch_list(torch_archs, []) == "7.5;8.0;8.6;9.0;10.0;12.0+PTX"  # nvcc did not say
-    assert setup_py.default_arch_list(["sm_50"], ["compute_90"]) is None
+    assert setup_py.cuda.default_arch_list(torch_archs, nvcc_archs) == "7.5;8.0;8.6;9.0;10.0+PTX"
+    assert setup_py.cuda.default_arch_list(torch_archs, []) == "7.5;8.0;8.6;9.0;10.0;12.0+PTX"  # nvcc did not say
+    assert setup_py.cuda.default_arch_list(["sm_50"], ["compute_90"]) is None
 
 
 def test_arch_list_without_a_gpu_is_one_torch_accepts(setup_py, monkeypatch):
     """torch's own pick, with TORCH_CUDA_ARCH_LIST unset and no GPU, raises IndexError (torch 2.14)."""
     if torch.version.cuda is None:
         pytest.skip("torch is a CPU-only build")
-    root, _ = setup_py.find_cuda_home()
+    root, _ = setup_py.cuda.find_cuda_home()
     if root is None:
         pytest.skip("no CUDA toolkit")
     from torch.utils import cpp_extension
 
     monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    arch_list, why = setup_py.choose_arch_list(torch, root)
+    arch_list, why = setup_py.cuda.choose_arch_list(torch, root)
     assert arch_list.endswith("+PTX") and "no GPU visible" in why
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", arch_list)
     flags = cpp_extension._get_cuda_arch_flags()
     assert "-gencode=arch=compute_90,code=sm_90" in flags
     assert any(re.fullmatch(r"-gencode=arch=compute_(\d+),code=compute_\1", f) for f in flags)  # +PTX
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
-    assert setup_py.choose_arch_list(torch, root) == ("9.0", "TORCH_CUDA_ARCH_LIST")
+    assert setup_py.cuda.choose_arch_list(torch, root) == ("9.0", "TORCH_CUDA_ARCH_LIST")
 
 
 def test_toolkit_version_is_read_from_nvcc(setup_py):
-    root, _ = setup_py.find_cuda_home()
+    root, how = setup_py.cuda.find_cuda_home()
     if root is None:
         pytest.skip("no CUDA toolkit")
-    assert re.fullmatch(r"\d+\.\d+", setup_py.nvcc_version(root) or "")
-
-
-def test_readme_for_the_package_index_has_no_repository_links(setup_py):
-    text = setup_py.readme_for_index((TREE / "README.md").read_text(encoding="utf-8"))
-    assert not re.findall(r"\]\((?!https?://)[^)]*\)", text)
-    example = "[`examples/rrn.py`](examples/rrn.py) and [Building](#building), [torch](https://pytorch.org)"
-    assert setup_py.readme_for_index(example) == "`examples/rrn.py` and Building, [torch](https://pytorch.org)"
-    assert setup_py.readme_for_index("[the results](benchmarks/RESULTS.md)") == (
-        "the results (`benchmarks/RESULTS.md` in the source distribution)"
-    )
+    # also where `nvcc` is a wrapper script (here: /usr/local/bin/nvcc), whose folder torch's own guess takes
+    assert os.path.isfile(os.path.join(root, "include", "cuda_runtime.h")), (root, how)
+    assert re.fullmatch(r"\d+\.\d+", setup_py.cuda.nvcc_version(root) or "")
 
 
 # ---- the build record and the built-against torch ---------------------------------------------------------------
@@ -222,6 +242,29 @@ def test_extension_built_for_another_torch_is_not_loaded_and_says_how_to_rebuild
     assert "ImportError" in proc.stderr and "built against torch 2.3.1+cu118" in proc.stderr
 
 
+def test_extension_built_without_a_gpu_warns_where_there_is_one(tmp_path):
+    """DPFAST_CUDA=auto leaves the CUDA kernels out where no GPU is visible (a container build, say); on a machine
+    with a GPU that extension cannot take CUDA tensors, and says so at import, with what to do."""
+    if not _extension.LOADED:
+        pytest.skip("the extension is not built")
+    record = dict(_extension.RECORD or {}, cuda_kernels=False, cuda_skipped_without_gpu=True, torch=torch.__version__)
+    shutil.copytree(PACKAGE, tmp_path / "dpfast", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "dpfast" / "_build.json").write_text(json.dumps(record))
+    code = "import torch\ntorch.cuda.is_available = lambda: {}\nimport dpfast"
+    env = {k: v for k, v in os.environ.items() if k != "DPFAST_REQUIRE_EXTENSION"} | {"PYTHONPATH": str(tmp_path)}
+    for gpu in (True, False):
+        proc = subprocess.run(
+            [sys.executable, "-W", "always", "-c", code.format(gpu)],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        warned = "built without its CUDA kernels because no GPU was visible" in proc.stderr
+        assert warned == gpu and (not gpu or "DPFAST_CUDA=1" in proc.stderr), proc.stderr[-2000:]
+
+
 def test_build_record_says_why_and_is_reported():
     if not _extension.LOADED:
         pytest.skip("the extension is not built")
@@ -232,6 +275,14 @@ def test_build_record_says_why_and_is_reported():
     assert facts["built_with_torch"] == torch.__version__.split("+")[0]
     assert _extension.RECORD["torch"] == torch.__version__
     assert bool(_extension.RECORD["cuda_kernels"]) == facts["cuda_kernels_compiled"]
+    assert _extension.RECORD["extension"] is True and isinstance(_extension.RECORD["test_hooks"], bool)
+
+
+def test_the_extension_carries_no_test_hooks():
+    """They are dpfast._C_hooks, built only for the tests (DPFAST_TEST_HOOKS=1): a release _C has none."""
+    if not _extension.LOADED:
+        pytest.skip("the extension is not built")
+    assert not [n for n in dir(_extension.C) if n in ("_replay_cuda_copy", "_job_offsets", "_node_streams")]
 
 
 def test_release_build_carries_no_debug_info():
@@ -282,7 +333,7 @@ def test_project_metadata():
     assert project["license"] == "BSD-3-Clause" and project["license-files"] == ["LICENSE"]
     assert "BSD 3-Clause License" in (TREE / "LICENSE").read_text()
     assert project["authors"] and any(c.startswith("Programming Language :: Python") for c in project["classifiers"])
-    assert set(project["dynamic"]) == {"version", "dependencies", "readme"}
+    assert set(project["dynamic"]) == {"version", "dependencies"} and project["readme"] == "README.md"
 
 
 # ---- the installed package --------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ def _rebuild_command() -> str:
 
 _BUILD_HINT = (
     f"build it with {_rebuild_command()}; "
-    "CUDA kernels are compiled when DPFAST_CUDA=1, or DPFAST_CUDA=auto and nvcc is found"
+    "CUDA kernels are compiled when DPFAST_CUDA=1, or DPFAST_CUDA=auto and nvcc and a GPU are found"
 )
 
 
@@ -86,7 +86,10 @@ LOAD_ERROR: str | None = None
 RECORD: dict | None = _read_record()
 
 _mismatch = torch_mismatch(RECORD, torch.__version__, torch.version.cuda)
-if _mismatch is not None:
+if RECORD is not None and RECORD.get("extension") is False:  # DPFAST_PURE_PYTHON=1: nothing was compiled
+    LOAD_ERROR = f"dpfast was installed without it: {RECORD.get('reason')}"
+    _fail(LOAD_ERROR)
+elif _mismatch is not None:
     LOAD_ERROR = f"dpfast._C {_mismatch}"
     _fail(LOAD_ERROR)
 else:
@@ -97,6 +100,15 @@ else:
         _fail(LOAD_ERROR, exc)
 
 LOADED: bool = C is not None
+
+if LOADED and (RECORD or {}).get("cuda_skipped_without_gpu") and torch.cuda.is_available():
+    warnings.warn(
+        "dpfast: dpfast._C was built without its CUDA kernels because no GPU was visible when it was built "
+        "(DPFAST_CUDA=auto), so dpfast's ops cannot take CUDA tensors here; rebuild with DPFAST_CUDA=1: "
+        f"{_rebuild_command()}",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 
 class BuildInfo(TypedDict):

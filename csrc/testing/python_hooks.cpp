@@ -1,7 +1,7 @@
-// Private entry points for the tests (dpfast._C._side_stream_devices and friends): the decisions and the index
-// walk of the CUDA paths, run on the host, so that what does not need a GPU is tested without one.
-#include "python_hooks.h"
-
+// dpfast._C_hooks, the tests' entry points into the C++ (_side_stream_devices and friends): the decisions and the
+// index walk of the CUDA paths, run on the host, so that what does not need a GPU is tested without one. A module of
+// its own, built only where the tests run (DPFAST_TEST_HOOKS=1, as `make test` and `make sanitize` do): a release
+// dpfast._C carries no test code. The headers it includes are the ones dpfast._C compiles.
 #include "python_args.h"
 
 #include "copy_walk.h"
@@ -19,10 +19,11 @@ namespace dpfast {
 namespace {
 
 std::vector<c10::Device> devices_of(PyObject* seq, const char* what) {
+  const HeldItems items(seq, what);
   std::vector<c10::Device> out;
-  for (PyObject* o : sequence_items(seq, what)) {
-    TORCH_CHECK_TYPE(THPDevice_Check(o), what, " must hold torch.device objects");
-    out.push_back(reinterpret_cast<THPDevice*>(o)->device);
+  for (size_t i = 0; i < items.size(); ++i) {
+    TORCH_CHECK_TYPE(THPDevice_Check(items[i]), what, " must hold torch.device objects");
+    out.push_back(reinterpret_cast<THPDevice*>(items[i])->device);
   }
   return out;
 }
@@ -46,10 +47,10 @@ PyObject* device_list(at::ArrayRef<c10::Device> devices) {
 PyObject* py_side_stream_devices(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(nargs == 3 && THPDevice_Check(args[1]), "expected (devices, source, current_index)");
-  const int64_t current = PyLong_AsLongLong(args[2]);
-  if (current == -1 && PyErr_Occurred()) return nullptr;
+  const auto given = devices_of(args[0], "devices");  // in argument order: current's __index__ may change the list
+  const int64_t current = as_int64(args[2], "current_index");
   TORCH_CHECK_VALUE(current >= 0 && current < 128, "current_index ", current, " is out of range");
-  const auto devices = resolve_devices(devices_of(args[0], "devices"), static_cast<c10::DeviceIndex>(current));
+  const auto devices = resolve_devices(given, static_cast<c10::DeviceIndex>(current));
   return device_list(side_stream_devices(devices, reinterpret_cast<THPDevice*>(args[1])->device));
   END_HANDLE_TH_ERRORS
 }
@@ -79,8 +80,10 @@ PyObject* py_node_streams(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 PyObject* py_job_offsets(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(nargs == 4, "expected (sizes, src_strides, dst_strides, units)");
-  const auto sizes = int_list(args[0], "sizes"), ss = int_list(args[1], "src_strides");
-  const auto ds = int_list(args[2], "dst_strides"), units = int_list(args[3], "units");
+  const HeldItems lists[] = {
+      {args[0], "sizes"}, {args[1], "src_strides"}, {args[2], "dst_strides"}, {args[3], "units"}};
+  const auto sizes = int_list(lists[0], "sizes"), ss = int_list(lists[1], "src_strides");
+  const auto ds = int_list(lists[2], "dst_strides"), units = int_list(lists[3], "units");
   TORCH_CHECK_VALUE(!sizes.empty() && sizes.size() <= static_cast<size_t>(kMaxCopyDims) &&
                         ss.size() == sizes.size() && ds.size() == sizes.size(),
                     "expected 1 to ", kMaxCopyDims, " sizes and as many strides of each side");
@@ -151,16 +154,15 @@ struct HostMover {
 PyObject* py_replay_cuda_copy(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(nargs == 4, "expected (srcs, dsts, blocks, threads)");
-  const auto srcs = sequence_items(args[0], "srcs"), dsts = sequence_items(args[1], "dsts");
+  const HeldItems srcs(args[0], "srcs"), dsts(args[1], "dsts");  // the grid sizes' __index__ may empty the lists
   TORCH_CHECK_VALUE(srcs.size() == dsts.size(), "srcs and dsts differ in length");
-  const int64_t blocks = PyLong_AsLongLong(args[2]), threads = PyLong_AsLongLong(args[3]);
-  if (PyErr_Occurred()) return nullptr;
+  const int64_t blocks = as_int64(args[2], "blocks"), threads = as_int64(args[3], "threads");
   TORCH_CHECK_VALUE(blocks > 0 && threads > 0 && blocks <= (1 << 20) && threads <= 1024, "bad grid ", blocks, " x ",
                     threads);
   const int64_t stride = blocks * threads;
   int64_t moved = 0, planned = 0, n_jobs = 0, n_fallback = 0;
   for (size_t i = 0; i < srcs.size(); ++i) {
-    TORCH_CHECK_TYPE(THPVariable_Check(srcs[i]) && THPVariable_Check(dsts[i]), "srcs and dsts must hold tensors");
+    TORCH_CHECK_TYPE(is_tensor(srcs[i]) && is_tensor(dsts[i]), "srcs and dsts must hold tensors");
     const at::Tensor src = THPVariable_Unpack(srcs[i]), dst = THPVariable_Unpack(dsts[i]);
     TORCH_CHECK_VALUE(src.is_cpu() && dst.is_cpu() && src.sizes() == dst.sizes() && src.dtype() == dst.dtype(),
                       "pair ", i, ": expected CPU tensors of one shape and dtype");
@@ -190,10 +192,12 @@ PyMethodDef methods[] = {
     {"_replay_cuda_copy", DPFAST_FASTCALL(py_replay_cuda_copy), "tests only: the CUDA kernel's walk, on the host"},
     {nullptr, nullptr, 0, nullptr},
 };
-
-
 }  // namespace
-
-PyMethodDef* python_hook_methods() { return methods; }
-
 }  // namespace dpfast
+
+// `import dpfast._C_hooks` after `import torch` (which loads the libraries it links against).
+PyMODINIT_FUNC PyInit__C_hooks(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C_hooks", "dpfast's C++ test hooks", -1,
+                                          dpfast::methods};
+  return PyModule_Create(&module_def);
+}

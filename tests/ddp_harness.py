@@ -61,6 +61,9 @@ def _worker(rank: int, world: int, port: int, outdir: str, scenarios: Callable) 
             with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:  # written as we go: a hang still reports
                 json.dump(results, f)
     finally:
+        # every rank done before any tears down: torch 2.4's gloo hung rank 0 in destroy_process_group about one
+        # group in five when a peer had already gone (all its scenarios done, its results written)
+        dist.barrier()
         dist.destroy_process_group()
 
 

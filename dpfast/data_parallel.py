@@ -209,7 +209,8 @@ class DataParallel(SettingsAttributes, nn.DataParallel):
             lease = self._replicas.lease(self.module, source, devices)
             outputs = _run_leased(lease, lambda: run_replicas(lease.modules, inputs_per_replica, devices, self._pool,
                                                               lease.watch))  # fmt: skip
-        return gather_outputs(outputs, self.out_dims, self.dim, self._output_device, sizes)
+        s = self._settings_or_now()
+        return gather_outputs(outputs, self.out_dims, self.dim, s.output_device, sizes, s.outputs)
 
     # -- torch.nn.DataParallel's hooks, with dpfast's semantics -----------------------------------------------------
 

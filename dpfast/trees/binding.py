@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .containers import LEAF, TreeDef
 from .flatten import Skeleton, is_leaf, skeleton_of, unflatten_from
-from .specs import ITEMS, Leaf, Spec, Walk, is_int, is_leaf_spec, validate_spec
+from .specs import ITEMS, Leaf, Spec, Walk, is_int, is_leaf_spec, path_text, validate_spec
 
 
 def forward_of(module: Any) -> Callable:
@@ -290,7 +290,7 @@ class BoundArguments:
             skeleton = self.skeleton
             assert skeleton is not None and self.flat is not None
             leaves = [
-                Leaf(w, v, s, e, a, i, None) for i, ((w, s, e, a), v) in enumerate(zip(skeleton.leaves, self.flat))
+                Leaf(w, v, s, e, a, i, None) for i, ((w, s, e, a), v) in enumerate(zip(skeleton.named(), self.flat))
             ]
             if self.split is not None:
                 axes, batch = self.split
@@ -343,13 +343,22 @@ class CallSkeleton:
     structure get the very same specs, so the next call is read without walking them (:meth:`BoundArguments.again`);
     what planning checks of the values themselves (types, shapes, devices) it checks again on every call."""
 
-    __slots__ = ("n_args", "kw_keys", "args", "arg_names", "leaves", "tensors", "specs")
+    __slots__ = ("n_args", "kw_keys", "args", "arg_names", "leaves", "tensors", "specs", "_named")
 
     def __init__(self, tree: BoundArguments, args: list):
         self.n_args, self.kw_keys, self.args, self.arg_names = tree.n_args, tree.kw_keys, args, tree.arg_names
         self.leaves = [(leaf._where, leaf.spec, leaf.explicit, leaf.arg) for leaf in tree.leaves]
+        self._named = False  # whether the paths in `leaves` are text yet (see named)
         self.tensors = [leaf.index for leaf in tree.leaves if type(leaf.value) is Tensor]  # positions among leaves
         self.specs = [tree.leaves[i].spec for i in self.tensors]
+
+    def named(self) -> list[tuple]:
+        """``leaves`` with their paths as text, put into words once per structure, when a call read along it first
+        asks for its Leaf records (DDP's agreement names every leaf of every call)."""
+        if not self._named:  # (two threads may both do it: the same texts either way)
+            self.leaves = [(w if type(w) is str else path_text(w), *rest) for w, *rest in self.leaves]
+            self._named = True
+        return self.leaves
 
     @classmethod
     def of(cls, tree: BoundArguments) -> CallSkeleton | None:

@@ -279,7 +279,7 @@ class Switch(nn.Module):
         if self.kind == "ragged":  # replicas return different shapes on another axis
             return [x, torch.zeros(2, x.shape[0] + dpfast.replica_index())]
         if self.kind == "elsewhere":  # the batch on axis 1 of an output gathered along 0
-            return [x, torch.zeros(3, x.shape[0])]
+            return [x, torch.zeros(5, x.shape[0])]  # (5 rows: not the chunk sizes)
         return x
 
 

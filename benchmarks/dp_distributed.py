@@ -18,6 +18,10 @@ Target: ``dpfast`` <= 1.10x ``torch``, and the gather variants <= 1.10x ``torch+
 issues are counted too (as ``tests/test_distributed_checks.py`` does, on separate wrappers whose DDP reducer runs
 through torch's Python default comm hook, so that the counter sees it).
 
+**Many tensors.** One forward (under ``no_grad``) of a list of ``TINY`` = 10,000 tensors ``(8, 2)`` through a module
+that scales each by one weight: ``dpfast many`` is given the global list (each rank keeps its 4 rows of every
+tensor), ``torch many`` (torch's DDP) this rank's rows, sliced beforehand. Target: ``dpfast many`` <= 1.0x.
+
 **Balance.** Long-tailed per-sample costs (token counts), 4 ranks, 16 samples per rank and step: the slowest rank's
 cost over the mean rank's, per step, with ``torch.utils.data.DistributedSampler`` (+ ``BatchSampler``) against
 ``dpfast.distributed.BalancedBatchSampler`` (global batches of 64), for a shuffled dataset and a length-bucketed
@@ -55,6 +59,8 @@ RATIOS = [
     ("dpfast gather", "torch+gather"),
     ("dpfast per-rank gather", "torch+gather"),
 ]
+TINY = 10_000  # tensors in the many-tensors row (2,000 with --quick)
+
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "_broadcast_coalesced", "scatter")
 
 
@@ -102,6 +108,38 @@ def _steps(count: bool) -> dict:
         "dpfast gather": step(ours["dpfast gather"], x, y),
         "dpfast per-rank gather": step(ours["dpfast per-rank gather"], xs, y),
     }
+
+
+class _ScaleEach(nn.Module):
+    """Every tensor of a list times one weight (DDP needs a parameter): the same per-tensor work for both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(()))
+
+    def forward(self, xs: list) -> list:
+        return [x * self.w for x in xs]
+
+
+def _many_tensors(n: int) -> dict:
+    """A forward of ``n`` tiny tensors through each DDP, under no_grad (no reducer round per call)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(8, 2, generator=g) for _ in range(n)]
+    mine = shard_range(8, rank, world)
+    shard = [x[mine.start : mine.stop] for x in xs]
+    torch_ddp, ours = nn.parallel.DistributedDataParallel(_ScaleEach()), dpfast.DistributedDataParallel(_ScaleEach())
+    with torch.no_grad():  # the same result, or the row means nothing
+        assert all(torch.equal(a, b) for a, b in zip(ours(xs), torch_ddp(shard)))
+
+    def call(model, inputs):
+        def run():
+            with torch.no_grad():
+                model(inputs)
+
+        return run
+
+    return {"torch many": call(torch_ddp, shard), "dpfast many": call(ours, xs)}
 
 
 def _timed(variants: dict, budget_s: float, rounds: int) -> dict:
@@ -157,16 +195,17 @@ def _counted(variants: dict, steps: int = 5) -> dict:
     return out
 
 
-def _worker(rank: int, port: int, outdir: str, budget_s: float, rounds: int) -> None:
+def _worker(rank: int, port: int, outdir: str, budget_s: float, rounds: int, tiny: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
     try:
         samples = _timed(_steps(count=False), budget_s, rounds)
         counts = _counted(_steps(count=True))
+        many = _timed(_many_tensors(tiny), budget_s, rounds)
         if rank == 0:
             with open(os.path.join(outdir, "ddp.json"), "w") as f:
-                json.dump({"samples": samples, "counts": counts}, f)
+                json.dump({"samples": samples, "counts": counts, "many": many}, f)
     finally:
         dist.destroy_process_group()
 
@@ -177,11 +216,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_steps(budget_s: float, rounds: int) -> dict:
-    """The step-time rows (spawns the two ranks)."""
+def run_steps(budget_s: float, rounds: int, tiny: int = TINY) -> dict:
+    """The step-time rows and the many-tensors row (spawns the two ranks)."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as outdir:
-        args = (_free_port(), outdir, budget_s, rounds)
+        args = (_free_port(), outdir, budget_s, rounds, tiny)
         procs = [ctx.Process(target=_worker, args=(r, *args)) for r in range(WORLD)]
         for p in procs:
             p.start()
@@ -194,7 +233,18 @@ def run_steps(budget_s: float, rounds: int) -> dict:
     samples = raw["samples"]
     times = {k: statistics.median(v) for k, v in samples.items()}
     ratios = {f"{a}/{b}": statistics.median(p / q for p, q in zip(samples[a], samples[b])) for a, b in RATIOS}
-    return {"seconds": times, "ratios": ratios, "collectives per step": raw["counts"], "rounds": rounds}
+    many = raw["many"]
+    return {
+        "seconds": times,
+        "ratios": ratios,
+        "collectives per step": raw["counts"],
+        "rounds": rounds,
+        "many tensors": {
+            "tensors": tiny,
+            "seconds": {k: statistics.median(v) for k, v in many.items()},
+            "dpfast many/torch many": statistics.median(p / q for p, q in zip(many["dpfast many"], many["torch many"])),
+        },
+    }
 
 
 def _token_counts(n: int, seed: int = 0) -> torch.Tensor:
@@ -255,7 +305,7 @@ def run_balance(world: int = 4, per_rank: int = 16, n: int = 16384) -> dict:
 
 
 def run_ddp(quick: bool, budget_s: float, rounds: int) -> dict:
-    steps = run_steps(budget_s, rounds if quick else 2 * rounds)
+    steps = run_steps(budget_s, rounds if quick else 2 * rounds, TINY // 5 if quick else TINY)
     return {"steps": steps, "balance": run_balance(n=4096 if quick else 16384)}
 
 
@@ -276,6 +326,13 @@ def print_ddp(result: dict) -> None:
             else f"target <= 1.10: {'met' if value <= 1.10 else 'NOT met'}"
         )
         print(f"{key:<40} {value:>6.3f}   {verdict}")
+    m = s["many tensors"]
+    sec, r = m["seconds"], m["dpfast many/torch many"]
+    print(
+        f"\n{m['tensors']} tensors (8, 2), one forward under no_grad: dpfast {1e3 * sec['dpfast many']:.1f} ms "
+        f"({1e6 * sec['dpfast many'] / m['tensors']:.1f} µs a tensor), torch's DDP {1e3 * sec['torch many']:.1f} ms; "
+        f"dpfast/torch {r:.3f}, target <= 1.0: {'met' if r <= 1.0 else 'NOT met'}"
+    )
     b = result["balance"]
     print(
         f"\nPer-rank loading, {b['world']} ranks x {b['per_rank_batch']} samples per step, {b['samples']} "
@@ -301,7 +358,10 @@ def plot_ddp(result: dict, path: str) -> str | None:
     except ImportError:
         return None
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    ratios = result["steps"]["ratios"]
+    ratios = {
+        **result["steps"]["ratios"],
+        "dpfast many/torch many": result["steps"]["many tensors"]["dpfast many/torch many"],
+    }
     a1.barh(list(ratios), list(ratios.values()))
     a1.axvline(1.10, color="gray", ls="--", lw=1, label="target 1.10")
     a1.set_xlabel("time per step, ratio (lower is better)")

@@ -1,6 +1,7 @@
 // Op schemas and the Python module dpfast._C. Kernels live in csrc/cpu and csrc/cuda, autograd in autograd.cpp.
 #include "python_calls.h"
 #include "python_costs.h"
+#include "python_many.h"
 
 #include <Python.h>
 #include <torch/library.h>
@@ -13,14 +14,16 @@
 #endif
 
 // `import dpfast._C` loads this library, which registers the ops below as a side effect. The module carries
-// build facts for dpfast.build_info(), the fast call path of dpfast/ops.py (python_calls.cpp) and the exact
-// arithmetic of cost-balanced splits (python_costs.cpp). The tests' hooks are a module of their own (csrc/testing).
+// build facts for dpfast.build_info(), the fast call path of dpfast/ops.py (python_calls.cpp), the exact
+// arithmetic of cost-balanced splits (python_costs.cpp) and a call's per-leaf gathers and batch checks in one call
+// each (python_many.cpp). The tests' hooks are a module of their own (csrc/testing).
 PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", "dpfast fused data-movement ops", -1,
                                           dpfast::python_call_methods()};
   PyObject* m = PyModule_Create(&module_def);
   if (m == nullptr) return nullptr;
-  if (PyModule_AddFunctions(m, dpfast::python_cost_methods()) < 0) {
+  if (PyModule_AddFunctions(m, dpfast::python_cost_methods()) < 0 ||
+      PyModule_AddFunctions(m, dpfast::python_many_methods()) < 0) {
     Py_DECREF(m);
     return nullptr;
   }

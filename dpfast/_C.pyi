@@ -1,4 +1,5 @@
-"""Types of the compiled extension ``dpfast._C`` (csrc/dpfast.cpp, csrc/python_calls.cpp, csrc/python_costs.cpp).
+"""Types of the compiled extension ``dpfast._C`` (csrc/dpfast.cpp, csrc/python_calls.cpp, csrc/python_costs.cpp,
+csrc/python_many.cpp).
 
 Importing it registers the ops as ``torch.ops.dpfast.*``. The underscored functions are the direct entry points
 behind :mod:`dpfast.ops`: they take plain tensors and arguments and return ``NotImplemented`` for anything else
@@ -27,3 +28,13 @@ def _exact_prefix(costs: Tensor) -> tuple[int, int | None, Tensor | None]: ...
 def _balanced_bounds(
     prefix: Tensor, mult: Sequence[int], targets: Sequence[int], lo_high: int, lo_low: int, hi_high: int, hi_low: int
 ) -> list[int]: ...
+
+# A DataParallel call's per-leaf work in one call each (csrc/python_many.cpp; dpfast/move/gather.py and
+# dpfast/plan/call_plan.py take their own path for whatever these decline).
+# (per leaf its gathered tensor or None, per leaf whether its chunks follow `sizes`, all gathered and following)
+def _gather_many(
+    columns: Sequence[Sequence[Tensor]], dims: Sequence[int], device: torch.device, sizes: Sequence[int]
+) -> Any: ...
+
+# (B or -1, per tensor its batch axis or -1, the device index or -1), None, or NotImplemented
+def _plain_batch(tensors: Sequence[Tensor], specs: Sequence[int | None], cuda: bool) -> Any: ...

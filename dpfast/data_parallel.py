@@ -140,8 +140,9 @@ class DataParallel(SettingsAttributes, nn.DataParallel):
 
     # -- the call ------------------------------------------------------------------------------------------------
 
-    def _plan_call(self, inputs: tuple, kwargs: dict) -> CallPlan:
-        s = self._current_settings()
+    def _plan_call(self, inputs: tuple, kwargs: dict, settings: Settings | None = None) -> CallPlan:
+        """The call's plan under ``settings`` (the forward's own, just checked), or the settings now."""
+        s = self._current_settings() if settings is None else settings
         if not s.devices:
             return passthrough_plan(forward_of(self.module), inputs, kwargs)
         self._replicas.check_module_device(self.module, s.devices[0])
@@ -190,11 +191,12 @@ class DataParallel(SettingsAttributes, nn.DataParallel):
                 (the same type where it can be built from a message, else ``RuntimeError``) and the original
                 chained as its cause.
         """
-        if not self._current_settings().devices:
+        settings = self._current_settings()  # (checked once a call: it compares every attribute with the last)
+        if not settings.devices:
             return self.module(*inputs, **kwargs)
         if any(getattr(type(self), h) is not getattr(DataParallel, h) for h in _HOOKS):
             return self._run_through_hooks(inputs, kwargs)
-        return self._run(self._plan_call(inputs, kwargs))
+        return self._run(self._plan_call(inputs, kwargs, settings))
 
     def _run(self, plan: CallPlan) -> Any:
         """Execute a plan: scatter, replicas, run, gather (or the one-call paths)."""
@@ -209,7 +211,8 @@ class DataParallel(SettingsAttributes, nn.DataParallel):
             lease = self._replicas.lease(self.module, source, devices)
             outputs = _run_leased(lease, lambda: run_replicas(lease.modules, inputs_per_replica, devices, self._pool,
                                                               lease.watch))  # fmt: skip
-        return gather_outputs(outputs, self.out_dims, self.dim, self._output_device, sizes)
+        s = self._settings_or_now()
+        return gather_outputs(outputs, self.out_dims, self.dim, s.output_device, sizes, s.outputs)
 
     # -- torch.nn.DataParallel's hooks, with dpfast's semantics -----------------------------------------------------
 

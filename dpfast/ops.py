@@ -190,6 +190,36 @@ if LOADED:
         checks.check_tensors("gather", "chunks", chunks)
         return _gather(chunks, dim, device)
 
+    # DataParallel's per-leaf work in one call each (csrc/python_many.cpp); None where an older build lacks them
+    _fast_gather_many = getattr(_C, "_gather_many", None)
+    _fast_plain_batch = getattr(_C, "_plain_batch", None)
+
+    def _gather_many(
+        columns: Sequence[Sequence[Tensor]], dims: Sequence[int], device: torch.device, sizes: Sequence[int]
+    ) -> tuple[list[Tensor | None], list[bool], bool] | None:
+        """:func:`gather` of many leaves in one call: leaf ``i``'s chunks are ``columns[r][i]`` (replica ``r``'s
+        output leaves). ``(outs, follows, all_done)``: ``outs[i]`` leaf ``i`` gathered along ``dims[i]`` onto
+        ``device``, or None where its chunks are not plain dense tensors that fit together (the caller gathers it
+        itself); ``follows[i]``: whether its chunks are ``sizes`` long along that dim; ``all_done``: every leaf
+        gathered, every one following. None when nothing can go this way (a ``__torch_function__`` mode,
+        ``torch.compile`` tracing)."""
+        if _fast_gather_many is None or _compiling():
+            return None
+        out = _fast_gather_many(columns, dims, device, sizes)
+        return None if out is NotImplemented else out
+
+    def _plain_batch(
+        tensors: Sequence[Tensor], specs: Sequence[int | None], cuda: bool
+    ) -> tuple[int, list[int], int] | None:
+        """``(B, axes, device index)`` of a call's tensor leaves when each is a plain dense tensor on the CPU (or
+        CUDA, with ``cuda``) and those under an int spec agree on ``B`` along their axis (``axes[i]``: counted
+        from the front; -1 under None; B -1 when no spec is an int; the device index -1 for the CPU); None
+        otherwise, or when it cannot tell."""
+        if _fast_plain_batch is None or _compiling():
+            return None
+        out = _fast_plain_batch(tensors, specs, cuda)
+        return None if out is NotImplemented else out
+
     # ---- fake kernels: shapes, dtypes and devices only, for torch.compile / FakeTensor tracing and meta tensors.
     # They check what the C++ kernels check, with the same messages, and never make a tensor with data (a CPU
     # tensor) out of meta inputs: that raises, as Tensor.to does.
@@ -239,6 +269,16 @@ else:
     split_contiguous = reference.split_contiguous
     scatter = reference.scatter
     gather = reference.gather
+
+    def _gather_many(
+        columns: Sequence[Sequence[Tensor]], dims: Sequence[int], device: torch.device, sizes: Sequence[int]
+    ) -> tuple[list[Tensor | None], list[bool], bool] | None:
+        return None  # without the extension every leaf goes through gather
+
+    def _plain_batch(
+        tensors: Sequence[Tensor], specs: Sequence[int | None], cuda: bool
+    ) -> tuple[int, list[int], int] | None:
+        return None  # without the extension planning walks every call
 
 
 def state_to_batch_first(state: RNNState) -> RNNState:

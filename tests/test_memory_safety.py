@@ -217,6 +217,20 @@ ENTRY_POINT_CASES = {
         type_error(C._exact_prefix, NotATensor())
         type_error(C._balanced_bounds, NotATensor(), [1], [1], 0, 0, 0, 1)
     """,
+    # _gather_many and _plain_batch read only exact ints and exact Tensors (no Python code runs while they read):
+    # anything else is declined (NotImplemented / None), and Python takes its own path
+    "many_leaves_entry_points_decline_hostile_items": """
+        cpu, xs = torch.device("cpu"), [torch.randn(300, 2) for _ in range(3)]
+        outs, follows, done = C._gather_many([xs, xs], [0, 0, 0], cpu, [300, 300])
+        assert done and all(torch.equal(o, torch.cat([x, x])) for o, x in zip(outs, xs))
+        assert C._gather_many([xs, xs], hostile([0, 0, 0]), cpu, [300, 300]) is NotImplemented
+        assert C._gather_many([xs, xs], [0, 0, 0], cpu, hostile([300, 300])) is NotImplemented
+        outs, follows, done = C._gather_many([xs, [NotATensor()] * 3], [0, 0, 0], cpu, [300, 300])
+        assert outs == [None] * 3 and not done
+        assert C._plain_batch(xs, [0, 0, 0], False) == (300, [0, 0, 0], -1)
+        assert C._plain_batch(xs, hostile([0, 0, 0]), False) is None
+        assert C._plain_batch([NotATensor()] * 3, [0, 0, 0], False) is None
+    """,
 }
 
 

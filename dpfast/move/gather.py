@@ -17,11 +17,89 @@ from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from .. import ops
-from ..trees.containers import describe_value, is_namedtuple
-from ..trees.flatten import unflatten
+from ..trees.containers import LEAF, TreeDef, describe_value, is_namedtuple
+from ..trees.flatten import Skeleton, skeleton_of, unflatten
 from ..trees.specs import ITEMS, Leaf, Spec, match_spec
 from .nested import gather_jagged
 from .scatter import inverse, memory_order, move, move_all
+
+
+class OutputSkeleton:
+    """The structure of the last outputs gathered under one ``out_dims`` (kept by the wrapper's settings, which a
+    changed ``out_dims`` or ``dim`` replaces): when every replica returns that very structure again, with a plain
+    tensor at every leaf under an int spec, the outputs are read along it and gathered in one call, without
+    walking specs or making a record per leaf. Anything else is gathered by the full walk."""
+
+    __slots__ = ("kept", "signature")
+
+    def __init__(self) -> None:
+        # (skeleton, per leaf its int spec, per leaf (path, explicit)), replaced whole: calls from other threads
+        # read one consistent triple
+        self.kept: tuple[Any, list[int], list[tuple[Any, bool]]] | None = None
+        self.signature: tuple | None = None
+
+    def remember(self, tdef: TreeDef, leaves: list[Leaf]) -> None:
+        """Keep the structure of outputs the full walk just gathered, once the same count of leaves came twice in a
+        row (a workload whose outputs change every call never pays for a skeleton)."""
+        signature = (tdef.kind, len(leaves))
+        if self.signature == signature and all(type(leaf.spec) is int for leaf in leaves):
+            skeleton = skeleton_of(tdef, [leaf.value for leaf in leaves])
+            if skeleton is Tensor or (type(skeleton) is Skeleton and _tensors_only(skeleton)):
+                specs = [leaf.spec for leaf in leaves]
+                self.kept = (skeleton, specs, [(leaf._where, leaf.explicit) for leaf in leaves])
+        self.signature = signature
+
+    def gather(self, outputs: Sequence[Any], device: torch.device, sizes: Sequence[int]) -> Any:
+        """The outputs read along the skeleton and gathered, or :data:`_AGAIN` when nothing is kept, or they have
+        another structure or anything but plain tensors (the full walk then gathers them)."""
+        kept = self.kept
+        if kept is None:
+            return _AGAIN
+        skeleton, specs, paths = kept
+        columns, tdef = [], None
+        for out in outputs:
+            flat: list = []
+            if type(skeleton) is Skeleton:
+                read = skeleton.read(out, flat)
+            else:  # the output is one tensor
+                read = LEAF if type(out) is Tensor else None
+                flat.append(out)
+            if read is None:
+                return _AGAIN
+            tdef = read if tdef is None else tdef  # replica 0's structure: the result's
+            columns.append(flat)
+        done = ops._gather_many(columns, specs, device, list(sizes))
+        if done is None:
+            return _AGAIN
+        outs, follows, all_done = done
+        if not all_done:  # a leaf the extension left (0-dim outputs, stacked...), or a warning: leaf by leaf
+            for k, (out, ok, (where, explicit)) in enumerate(zip(outs, follows, paths)):
+                if out is None or not ok:
+                    leaf = Leaf(where, columns[0][k], specs[k], explicit, -1, k, tuple(c[k] for c in columns[1:]))
+                    outs[k] = _leaf_again(leaf, out, device, sizes)
+        return unflatten(tdef, outs)
+
+
+def _leaf_again(leaf: Leaf, out: Tensor | None, device: torch.device, sizes: Sequence[int]) -> Any:
+    """A leaf of outputs read along a skeleton that the extension did not gather (None) or that may warn."""
+    if out is None:
+        return _gather_leaf(leaf, [leaf.value, *leaf.others], device, _weights(sizes), sizes)
+    return _warned(leaf, out, sizes)
+
+
+_AGAIN = object()
+
+
+def _tensors_only(skeleton: Skeleton) -> bool:
+    stack = [skeleton]
+    while stack:
+        node = stack.pop()
+        for c in node.children:
+            if type(c) is Skeleton:
+                stack.append(c)
+            elif c is not Tensor:
+                return False
+    return True
 
 
 def gather_outputs(
@@ -30,6 +108,7 @@ def gather_outputs(
     dim: int,
     device: torch.device,
     sizes: Sequence[int],
+    kept: OutputSkeleton | None = None,
 ) -> Any:
     """Combine the replicas' outputs leaf by leaf as ``out_dims`` says, onto ``device``.
 
@@ -38,15 +117,66 @@ def gather_outputs(
     come back once when every replica returned an equal value, else as a list with one value per replica);
     ``"items"``: the replicas' sequences concatenated; ``None``: replica 0's value; ``"sum"``; ``"mean"``:
     weighted by each replica's share of the batch, so a per-sample-mean loss equals the full-batch mean even when
-    the split is uneven.
+    the split is uneven. ``kept``: the structure of earlier outputs under this very ``out_dims`` and ``dim``, to
+    gather outputs of the same structure without walking them (and to keep this call's).
     """
+    if kept is not None:
+        result = kept.gather(outputs, device, sizes)
+        if result is not _AGAIN:
+            return result
     spec = dim if out_dims is None else out_dims
     leaves: list[Leaf] = []
     # one walk over every replica's output: replica 0's leaves, each with the others' values at the same place
-    tdef = match_spec(outputs[0], spec, "output", dim, out_dims is not None, "out_dims", leaves, tuple(outputs[1:]))
+    # (a list of ids every replica passed through is one leaf, not one per id)
+    tdef = match_spec(
+        outputs[0], spec, "output", dim, out_dims is not None, "out_dims", leaves, tuple(outputs[1:]), whole_atoms=True
+    )
+    weights = _weights(sizes)
+    gathered, follows = _gather_plain(leaves, device, sizes)
+    result = unflatten(
+        tdef,
+        [
+            _gather_leaf(leaf, [leaf.value, *leaf.others], device, weights, sizes) if out is None
+            else out if ok else _warned(leaf, out, sizes)
+            for leaf, out, ok in zip(leaves, gathered, follows)
+        ],
+    )  # fmt: skip
+    if kept is not None:
+        kept.remember(tdef, leaves)
+    return result
+
+
+def _weights(sizes: Sequence[int]) -> list[float]:
+    """Each replica's share of the batch (``"mean"`` weighs by it)."""
     total = sum(sizes)
-    weights = [s / total for s in sizes] if total > 0 else [1.0 / len(sizes)] * len(sizes)
-    return unflatten(tdef, [_gather_leaf(leaf, [leaf.value, *leaf.others], device, weights, sizes) for leaf in leaves])
+    return [s / total for s in sizes] if total > 0 else [1.0 / len(sizes)] * len(sizes)
+
+
+def _gather_plain(leaves: Sequence[Leaf], device: torch.device, sizes: Sequence[int]) -> tuple[list, list]:
+    """Every leaf under an int spec whose replicas returned plain dense tensors, gathered in one call into the
+    extension (ops.gather per leaf, without a Python round trip each); None for the others, which
+    :func:`_gather_leaf` combines one by one, with its checks and messages."""
+    none = [None] * len(leaves)
+    picked = [leaf for leaf in leaves if type(leaf.spec) is int]
+    if not picked:
+        return none, none
+    columns = [[leaf.value for leaf in picked]]
+    columns += [[leaf.others[r] for leaf in picked] for r in range(len(picked[0].others))]
+    done = ops._gather_many(columns, [leaf.spec for leaf in picked], device, list(sizes))
+    if done is None:
+        return none, none
+    if len(picked) == len(leaves):
+        return done[0], done[1]
+    gathered, follows = list(none), list(none)
+    for leaf, out, ok in zip(picked, done[0], done[1]):
+        gathered[leaf.index], follows[leaf.index] = out, ok
+    return gathered, follows
+
+
+def _warned(leaf: Leaf, out: Tensor, sizes: Sequence[int]) -> Tensor:
+    """A plain leaf gathered whose replicas' sizes along its axis are not the chunk sizes: maybe a warning."""
+    _warn_if_batch_elsewhere(leaf, leaf.spec, leaf.spec % out.dim(), [leaf.value, *leaf.others], sizes)
+    return out
 
 
 def _gather_leaf(leaf: Leaf, values: list, device: torch.device, weights: list[float], sizes: Sequence[int]) -> Any:

@@ -101,6 +101,8 @@ def scatter_tree(
     """``(args, kwargs)`` per replica: the leaves planning marked as split, split by ``sizes`` onto ``devices``;
     other tensors copied to each distinct device once (the original where it already is), everything else by
     reference."""
+    if tree.split is not None:
+        return _scatter_flat(tree, sizes, devices)
     n = len(devices)
     position = {d: k for k, d in enumerate(dict.fromkeys(devices))}
     distinct = list(position)  # a replicated tensor is copied once per distinct device
@@ -136,6 +138,38 @@ def scatter_tree(
             per_leaf[leaf.index] = row
     # each replica gets KV caches of its own: a model updates its cache in place
     return [tree.rebuild([row[j] for row in per_leaf], own_caches=True) for j in range(n)]
+
+
+def _scatter_flat(
+    tree: BoundArguments, sizes: Sequence[int], devices: Sequence[torch.device]
+) -> list[tuple[tuple, dict]]:
+    """:func:`scatter_tree` of a call planned along a skeleton (its tensors plain, those to split on one device,
+    none channels_last): the same moves, from the flat leaves, without a record per leaf."""
+    assert tree.skeleton is not None and tree.flat is not None and tree.split is not None
+    flat, tensors, (axes, _) = tree.flat, tree.skeleton.tensors, tree.split
+    groups: dict[int, list[int]] = {}  # axis -> positions among the leaves, in order
+    whole: list[int] = []
+    for i, axis in zip(tensors, axes):
+        if axis >= 0:
+            groups.setdefault(axis, []).append(i)
+        else:
+            whole.append(i)
+    if len(groups) == 1 and not whole and len(tensors) == len(flat):  # every leaf a tensor to split one way
+        ((axis, _),) = groups.items()
+        chunks = ops.scatter(flat, axis, sizes, devices)
+        return [tree.rebuild(row, own_caches=True) for row in zip(*chunks)]
+    per_replica = [list(flat) for _ in devices]  # everything else reaches every replica by reference
+    position = {d: k for k, d in enumerate(dict.fromkeys(devices))}
+    distinct, slots = list(position), [position[d] for d in devices]
+    for i in whole:  # copied once per distinct device (the original where it already is)
+        moved = [move(flat[i], d) for d in distinct]
+        for row, k in zip(per_replica, slots):
+            row[i] = moved[k]
+    for axis, idx in groups.items():
+        for i, chunks in zip(idx, ops.scatter([flat[i] for i in idx], axis, sizes, devices)):
+            for row, chunk in zip(per_replica, chunks):
+                row[i] = chunk
+    return [tree.rebuild(row, own_caches=True) for row in per_replica]
 
 
 def split_quantized(q: Tensor, axis: int, sizes: Sequence[int], devices: Sequence[torch.device]) -> list[Tensor]:

@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
-from ..trees.binding import Binding, BoundArguments
+from .. import ops
+from ..trees.binding import Binding, BoundArguments, CallSkeleton
 from ..trees.containers import packed_batch
 from ..trees.specs import ITEMS, Leaf
 from .batch_errors import scatter_message
@@ -157,7 +158,7 @@ class CallPlan:
 
     mode: str
     tree: BoundArguments  # the call's arguments, bound and walked: one Leaf per leaf
-    mapped: list[Leaf]  # those of tree.leaves that are split (leaf.split is set), in order
+    mapped: list[Leaf]  # those of tree.leaves that are split (leaf.split is set), in order (see _mapped_leaves)
     batch_size: int | None
     sizes: list[int]  # per device (or rank), 0 for one that gets nothing; [] when nothing is split
     devices: list[torch.device]  # every device_ids entry ([] for ranks)
@@ -214,8 +215,12 @@ def plan_call(
     call's per-sample costs (read whenever there is a ``B``, so ``B == 0`` wants no costs). Raises ``ScatterError``
     and the spec and cost errors (``TypeError``/``ValueError`` naming the argument) before anything is copied.
     """
-    tree = BoundArguments(binding, args, kwargs)
     devices = list(devices)
+    if cost is None and len(devices) != 1 and binding.skeleton is not None:
+        plan = _plan_again(binding, args, kwargs, parts, weights, devices, output_device)
+        if plan is not None:
+            return plan
+    tree = BoundArguments(binding, args, kwargs)
     if devices:
         check_input_devices(tree, devices)
     mapped = map_leaves(tree, splitting=len(devices) != 1)
@@ -232,7 +237,62 @@ def plan_call(
         balance = Balance(costs, cost.text, sizes, count, weights)
     if batch == 0:
         return CallPlan("once", tree, mapped, 0, sizes, devices, output_device, "B = 0")
+    if cost is None:
+        _remember(binding, tree)
     return CallPlan("split", tree, mapped, batch, sizes, devices, output_device, balance=balance)
+
+
+def _mapped_leaves(plan: CallPlan) -> list[Leaf]:
+    """The records of the leaves that are split, in call order (internal); a plan read along the last call's
+    skeleton is given None, and makes them (and its tree's Leaf records) only when asked for."""
+    mapped = plan.__dict__["_mapped"]
+    if mapped is None:
+        mapped = plan.__dict__["_mapped"] = [leaf for leaf in plan.tree.leaves if leaf.split is not None]
+    return mapped
+
+
+def _set_mapped(plan: CallPlan, mapped: list[Leaf] | None) -> None:
+    plan.__dict__["_mapped"] = mapped
+
+
+# the dataclass field `mapped` (its __init__, repr, fields()) read and written through this property
+CallPlan.mapped = property(_mapped_leaves, _set_mapped)  # type: ignore[assignment]
+
+
+def _remember(binding: Binding, tree: BoundArguments) -> None:
+    """Keep the structure of a call that split for the next one (only once it is seen twice in a row: a workload
+    whose structure changes every call never pays for a skeleton)."""
+    signature = (tree.n_args, tree.kw_keys, len(tree.leaves))
+    if binding.last_signature == signature:
+        binding.skeleton = CallSkeleton.of(tree)
+    binding.last_signature = signature
+
+
+def _plan_again(
+    binding: Binding,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    parts: int,
+    weights: Sequence[Fraction] | None,
+    devices: list[torch.device],
+    output_device: torch.device | None,
+) -> CallPlan | None:
+    """The plan of a call whose arguments have the structure of the last call that split (the binding's skeleton),
+    when every tensor is a plain dense one on an allowed device and those to split agree on ``B > 0``: what the
+    full walk below plans for it, without walking specs or making a record per leaf. None in every other case, and
+    the full walk plans the call (and raises what is wrong)."""
+    skeleton = binding.skeleton
+    tree = BoundArguments.again(binding, skeleton, args, kwargs) if skeleton is not None else None
+    if tree is None:
+        return None
+    flat = tree.flat
+    tensors = flat if len(skeleton.tensors) == len(flat) else [flat[i] for i in skeleton.tensors]
+    facts = ops._plain_batch(tensors, skeleton.specs, not devices or devices[0].type == "cuda")
+    if facts is None or facts[0] <= 0:
+        return None
+    batch, axes, _ = facts
+    tree.mark_split(axes, batch)
+    return CallPlan("split", tree, None, batch, split_sizes(batch, parts, weights), devices, output_device)
 
 
 def passthrough_plan(forward: Callable, args: Sequence[Any], kwargs: dict[str, Any]) -> CallPlan:

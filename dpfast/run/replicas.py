@@ -188,7 +188,7 @@ def _lease_to_graph(outputs: Any) -> weakref.ref | None:
     """A token kept alive by the graph behind ``outputs`` (None when no output has a graph)."""
     token = None
     try:
-        leaves = flatten(outputs)[0]
+        leaves = flatten(outputs, whole_atoms=True)[0]  # (tensors are all it looks for)
     except ValueError:  # a cyclic or unbounded output: gathering refuses it next, naming the output's path
         return None
     for leaf in leaves:

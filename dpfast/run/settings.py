@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..ext.op_checks import DeviceLike
+from ..move.gather import OutputSkeleton
 from ..plan.costs import CostSource
 from ..plan.splits import validate_chunk_sizes
 from ..trees.binding import Binding, forward_of
@@ -122,6 +123,9 @@ class Settings:
         values["device_ids"] = [public_device(d) for d in self.devices]
         values["output_device"] = None if self.output_device is None else public_device(self.output_device)
         self.values = values
+        # the structure of the last outputs gathered under these out_dims and dim (a change of either makes new
+        # settings, and with them a new one)
+        self.outputs = OutputSkeleton()
         self._module, self._forward = module, _forward_identity(module)
         self._fingerprint = fingerprint(tuple(values.values()))
 

@@ -13,9 +13,11 @@ import warnings
 from collections.abc import Sequence
 from typing import Any, Callable
 
-from .containers import TreeDef
-from .flatten import unflatten_from
-from .specs import ITEMS, Leaf, Spec, Walk, is_int, is_leaf_spec, validate_spec
+from torch import Tensor
+
+from .containers import LEAF, TreeDef
+from .flatten import Skeleton, is_leaf, skeleton_of, unflatten_from
+from .specs import ITEMS, Leaf, Spec, Walk, is_int, is_leaf_spec, path_text, validate_spec
 
 
 def forward_of(module: Any) -> Callable:
@@ -49,6 +51,10 @@ class Binding:
         # lacks one warns, once per name
         self.kwargs_only: list[str] = []
         self._warned: set[str] = set()
+        # the structure of the last planned call's arguments, for the next call (see CallSkeleton); its signature
+        # (arguments, keywords, leaves), so that a skeleton is made only for a structure seen twice in a row
+        self.skeleton: CallSkeleton | None = None
+        self.last_signature: tuple | None = None
         if in_dims is None:
             return
         if is_int(in_dims) or (isinstance(in_dims, str) and in_dims == ITEMS):
@@ -223,9 +229,13 @@ class Binding:
 
 class BoundArguments:
     """One call's arguments bound to ``forward``'s names and walked: a TreeDef per argument, and one :class:`Leaf`
-    per leaf (each knowing its argument and position) in call order: positional, then keyword."""
+    per leaf (each knowing its argument and position) in call order: positional, then keyword.
 
-    __slots__ = ("binding", "n_args", "kw_keys", "values", "arg_defs", "arg_names", "leaves")
+    A call read again along the last call's :class:`CallSkeleton` (:meth:`again`) holds its leaves' values in
+    ``flat``, and makes the Leaf records only when they are asked for (an error, a printed plan)."""
+
+    __slots__ = ("binding", "n_args", "kw_keys", "values", "arg_defs", "arg_names", "_leaves", "flat", "skeleton",
+                 "split")  # fmt: skip
 
     def __init__(self, binding: Binding, args: Sequence[Any], kwargs: dict[str, Any]):
         self.binding = binding
@@ -235,14 +245,66 @@ class BoundArguments:
         bound = [binding.positional(i, len(args)) for i in range(len(args))]
         bound += [binding.keyword(k) for k in kwargs]
         self.arg_names: list[str] = [name for name, _, _, _ in bound]  # the in_dims name each answers to
-        self.leaves: list[Leaf] = []
-        walk = Walk(binding.default, "in_dims", self.leaves, whole_atoms=True)
+        self._leaves: list[Leaf] | None = []
+        self.flat: list | None = None  # the leaves' values, for a tree read along a skeleton
+        self.skeleton: CallSkeleton | None = None
+        self.split: tuple[list[int], int] | None = None  # planning's marks for a skeleton's tensors (see mark_split)
+        walk = Walk(binding.default, "in_dims", self._leaves, whole_atoms=True)
         self.arg_defs: list[TreeDef] = [
             walk.run(value, spec, path, explicit, None, a)
             for a, ((_, path, spec, explicit), value) in enumerate(zip(bound, self.values))
         ]
         if binding.kwargs_only:
             binding.warn_unused(kwargs)
+
+    @classmethod
+    def again(cls, binding: Binding, skeleton: CallSkeleton, args: Sequence[Any], kwargs: dict[str, Any]):
+        """The call read along ``skeleton`` (the structure of an earlier call bound by ``binding``): the same
+        specs without walking them, or None when its arguments have another structure."""
+        if len(args) != skeleton.n_args or tuple(kwargs) != skeleton.kw_keys:
+            return None
+        values = (*args, *kwargs.values())
+        flat: list = []
+        defs: list[TreeDef] = []
+        for node, value in zip(skeleton.args, values):
+            if type(node) is Skeleton:
+                tdef = node.read(value, flat)
+                if tdef is None:
+                    return None
+                defs.append(tdef)
+            elif is_leaf(node, value):
+                flat.append(value)
+                defs.append(LEAF)
+            else:
+                return None
+        self = cls.__new__(cls)
+        self.binding, self.n_args, self.kw_keys, self.values = binding, skeleton.n_args, skeleton.kw_keys, values
+        self.arg_defs, self.arg_names = defs, skeleton.arg_names
+        self._leaves, self.flat, self.skeleton, self.split = None, flat, skeleton, None
+        return self
+
+    @property
+    def leaves(self) -> list[Leaf]:
+        leaves = self._leaves
+        if leaves is None:
+            skeleton = self.skeleton
+            assert skeleton is not None and self.flat is not None
+            leaves = [
+                Leaf(w, v, s, e, a, i, None) for i, ((w, s, e, a), v) in enumerate(zip(skeleton.named(), self.flat))
+            ]
+            if self.split is not None:
+                axes, batch = self.split
+                for i, axis in zip(skeleton.tensors, axes):
+                    if axis >= 0:
+                        leaf = leaves[i]
+                        leaf.split, leaf.axis, leaf.size = "tensor", axis, batch
+            self._leaves = leaves
+        return leaves
+
+    def mark_split(self, axes: list[int], batch: int) -> None:
+        """Planning's verdict on a tree read along a skeleton: its tensors (``skeleton.tensors``) under an int spec
+        are split along ``axes[k]`` (-1: not split), each ``batch`` long there."""
+        self.split = (axes, batch)
 
     @property
     def args(self) -> tuple:
@@ -272,3 +334,54 @@ class BoundArguments:
         it = iter(new_leaves)
         values = [unflatten_from(d, it, own_caches) for d in self.arg_defs]
         return tuple(values[: self.n_args]), dict(zip(self.kw_keys, values[self.n_args :]))
+
+
+class CallSkeleton:
+    """The structure of a planned call's arguments without their values, kept by its :class:`Binding` for the next
+    call: per top-level argument a :class:`~dpfast.trees.flatten.Skeleton` (or one leaf's code), and per leaf what
+    the spec walk gave it (path, spec, whether the user named it, its argument). Arguments of the very same
+    structure get the very same specs, so the next call is read without walking them (:meth:`BoundArguments.again`);
+    what planning checks of the values themselves (types, shapes, devices) it checks again on every call."""
+
+    __slots__ = ("n_args", "kw_keys", "args", "arg_names", "leaves", "tensors", "specs", "_named")
+
+    def __init__(self, tree: BoundArguments, args: list):
+        self.n_args, self.kw_keys, self.args, self.arg_names = tree.n_args, tree.kw_keys, args, tree.arg_names
+        self.leaves = [(leaf._where, leaf.spec, leaf.explicit, leaf.arg) for leaf in tree.leaves]
+        self._named = False  # whether the paths in `leaves` are text yet (see named)
+        self.tensors = [leaf.index for leaf in tree.leaves if type(leaf.value) is Tensor]  # positions among leaves
+        self.specs = [tree.leaves[i].spec for i in self.tensors]
+
+    def named(self) -> list[tuple]:
+        """``leaves`` with their paths as text, put into words once per structure, when a call read along it first
+        asks for its Leaf records (DDP's agreement names every leaf of every call)."""
+        if not self._named:  # (two threads may both do it: the same texts either way)
+            self.leaves = [(w if type(w) is str else path_text(w), *rest) for w, *rest in self.leaves]
+            self._named = True
+        return self.leaves
+
+    @classmethod
+    def of(cls, tree: BoundArguments) -> CallSkeleton | None:
+        """``tree``'s skeleton, or None when it holds what a skeleton cannot keep (containers other than plain
+        tuples, lists and dicts; leaves other than tensors, None and atoms; an ``'items'`` spec)."""
+        if tree.binding.kwargs_only or any(leaf.spec == ITEMS for leaf in tree.leaves):
+            return None
+        it = iter(tree.leaves)
+        args = []
+        for tdef in tree.arg_defs:
+            n = _count_leaves(tdef)
+            args.append(skeleton_of(tdef, [next(it).value for _ in range(n)]))
+            if args[-1] is None:
+                return None
+        return cls(tree, args)
+
+
+def _count_leaves(tdef: TreeDef) -> int:
+    count, stack = 0, [tdef]
+    while stack:
+        node = stack.pop()
+        if node is LEAF:
+            count += 1
+        else:
+            stack.extend(node.children)
+    return count

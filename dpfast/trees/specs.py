@@ -183,7 +183,8 @@ def match_spec(
     (the DataParallel's ``dim``), as top-level arguments that ``in_dims`` does not name do. ``others``: the other
     replicas' outputs, walked in step with ``value`` (each leaf gets their values; a structure that differs is a
     ValueError naming the path). ``whole_atoms``: a container of plain numbers and strings under ``None`` or the
-    default spec is one leaf (arguments: it holds no tensor and reaches every replica by reference anyway).
+    default spec is one leaf (arguments: it holds no tensor and reaches every replica by reference anyway; outputs:
+    only where every replica returned that very object, so the result is the one an element-wise walk gives).
     """
     return Walk(default, what, out, whole_atoms).run(value, spec, path, explicit, others, arg)
 
@@ -243,7 +244,12 @@ class Walk:
         kind = node_kind(value)
         if is_leaf_spec(spec):
             # under an explicit int spec each element is walked, so the error names the first that is no tensor
-            whole = self.whole_atoms and not (explicit and is_int(spec)) and _only_atoms(value, kind)
+            whole = (
+                self.whole_atoms
+                and not (explicit and is_int(spec))
+                and (others is None or _taken_whole(value, spec, others))
+                and only_atoms(value, kind)
+            )
             if kind is None or spec == ITEMS or whole:
                 self.leaf(value, kind, spec, where, explicit, others)
                 return None
@@ -355,7 +361,13 @@ class Walk:
         return zip(*per_replica)
 
 
-def _only_atoms(value: Any, kind: str | None) -> bool:
+def _taken_whole(value: Any, spec: Spec, others: tuple) -> bool:
+    """An output of atoms is one leaf only where walking it would give the same: every replica returned this very
+    object (so each element would come back as replica 0's) and the spec keeps it (a reduction adds elements up)."""
+    return (spec is None or is_int(spec)) and all(o is value for o in others)
+
+
+def only_atoms(value: Any, kind: str | None) -> bool:
     """A non-empty list, tuple or dict of plain numbers and strings only (checked without copying it)."""
     if kind in ("list", "tuple"):
         items = value
@@ -363,4 +375,4 @@ def _only_atoms(value: Any, kind: str | None) -> bool:
         items = value.values()
     else:
         return False
-    return len(items) > 0 and all(type(v) in ATOMS for v in items)
+    return len(items) > 0 and ATOMS.issuperset(map(type, items))

@@ -1,0 +1,287 @@
+// dpfast._C._gather_many and _plain_batch: a DataParallel call's per-leaf work, in one call from Python each.
+//
+// Called leaf by leaf from Python, each small leaf pays a Python call, argument conversion and a result's wrapping,
+// which is most of the work for small tensors (benchmarks/RESULTS.md, "overhead").
+//
+// _gather_many gathers a call's output leaves (dpfast/move/gather.py): it calls the very same dpfast::gather op
+// through its typed dispatcher handle (so autograd, dispatch modes and device kernels are those of
+// dpfast.ops.gather) for each leaf that is plain: plain dense tensors (no subclass, nested, quantized or sparse one)
+// agreeing in dtype, rank and every dim but the gathered one, replica 0's not channels_last. Every other leaf comes
+// back as None, and Python gathers it on its own path, with its own checks and messages.
+//
+// _plain_batch reads what planning needs of each tensor leaf of a call whose structure is the last one's
+// (dpfast/plan/call_plan.py): whether it is a plain dense tensor on an allowed device, and its size along its
+// batch axis. Anything unusual reads as None, and planning walks the call in full.
+//
+// Both return NotImplemented under a __torch_function__ mode (which must see every tensor call Python makes).
+#include "python_many.h"
+
+#include "op_handles.h"
+#include "python_args.h"
+
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <torch/csrc/Device.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <exception>
+#include <vector>
+
+namespace dpfast {
+namespace {
+
+PyObject* not_implemented() { Py_RETURN_NOTIMPLEMENTED; }
+
+// Releases the GIL while the ops run, as torch's own bindings do: other threads run while we copy.
+struct ReleaseGil {
+  PyThreadState* state = PyEval_SaveThread();
+  ~ReleaseGil() { PyEval_RestoreThread(state); }
+};
+
+// A list or tuple's items (borrowed), or false for anything else.
+bool items_of(PyObject* seq, PyObject* const*& items, Py_ssize_t& n) {
+  if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) return false;
+  items = reinterpret_cast<PyObject* const*>(PySequence_Fast_ITEMS(seq));
+  n = PySequence_Fast_GET_SIZE(seq);
+  return true;
+}
+
+bool plain_int(PyObject* obj, int64_t& out) {
+  if (!PyLong_CheckExact(obj)) return false;
+  int overflow = 0;
+  out = PyLong_AsLongLongAndOverflow(obj, &overflow);
+  if (out == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  return overflow == 0;
+}
+
+bool plain_ints(PyObject* seq, std::vector<int64_t>& out) {
+  PyObject* const* items;
+  Py_ssize_t n;
+  if (!items_of(seq, items, n)) return false;
+  out.resize(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!plain_int(items[i], out[static_cast<size_t>(i)])) return false;
+  }
+  return true;
+}
+
+// One leaf: its chunks (one per replica) and the dim to concatenate; `plain` until a check says otherwise.
+struct Leaf {
+  std::vector<at::Tensor> chunks;
+  int64_t dim = 0;
+  bool plain = true;
+  bool follows = true;  // the chunks' sizes along dim are the call's chunk sizes (else Python may warn)
+  at::Tensor out;
+};
+
+// Leaf i's chunks are columns[r][i] for every replica r: plain Tensors (or Parameters, which CheckExact takes too).
+bool unpack(PyObject* const* columns, size_t replicas, std::vector<Leaf>& leaves) {
+  for (size_t r = 0; r < replicas; ++r) {
+    PyObject* const* items;
+    Py_ssize_t n;
+    if (!items_of(columns[r], items, n) || static_cast<size_t>(n) != leaves.size()) return false;
+    for (size_t i = 0; i < leaves.size(); ++i) {
+      Leaf& leaf = leaves[i];
+      if (!leaf.plain) continue;
+      if (!THPVariable_CheckExact(items[i])) {
+        leaf.plain = false;
+        continue;
+      }
+      leaf.chunks.push_back(THPVariable_Unpack(items[i]));
+    }
+  }
+  return true;
+}
+
+bool dense(const at::Tensor& t) {
+  return t.defined() && t.layout() == at::kStrided && !t.is_nested() && !t.is_quantized();
+}
+
+// Whether dpfast/move/scatter.py's memory_order may take `t` for channels_last (then Python moves it, through its
+// NHWC view): any 4-d or 5-d tensor contiguous in that format, also one contiguous in both (its strides decide).
+bool maybe_channels_last(const at::Tensor& t) {
+  const int64_t nd = t.dim();
+  const auto format = nd == 4 ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::ChannelsLast3d;
+  return (nd == 4 || nd == 5) && t.is_contiguous(format);
+}
+
+// What dpfast/move/gather.py's own path would hand to ops.gather unchanged: dense chunks of one dtype and rank that
+// agree in every dim but `dim` (then wrapped), replica 0's not (maybe) channels_last (that path gathers its NHWC view).
+bool plain_leaf(Leaf& leaf) {
+  const at::Tensor& ref = leaf.chunks[0];
+  if (!dense(ref) || ref.dim() == 0) return false;
+  const int64_t nd = ref.dim();
+  if (leaf.dim < -nd || leaf.dim >= nd) return false;
+  leaf.dim = leaf.dim < 0 ? leaf.dim + nd : leaf.dim;
+  if (maybe_channels_last(ref)) return false;
+  for (const at::Tensor& c : leaf.chunks) {
+    if (!dense(c) || c.dim() != nd || c.scalar_type() != ref.scalar_type()) return false;
+    for (int64_t k = 0; k < nd; ++k) {
+      if (k != leaf.dim && c.size(k) != ref.size(k)) return false;
+    }
+  }
+  return true;
+}
+
+bool sizes_follow(const Leaf& leaf, const std::vector<int64_t>& sizes) {
+  if (leaf.chunks.size() < 2 || leaf.chunks.size() != sizes.size()) return true;  // (Python checks no further)
+  for (size_t j = 0; j < sizes.size(); ++j) {
+    if (leaf.chunks[j].size(leaf.dim) != sizes[j]) return false;
+  }
+  return true;
+}
+
+// Gathers every plain leaf; a leaf whose gather raises is left to Python, which raises it again, worded for the
+// output (a meta chunk, a device torch cannot use).
+void gather_plain(std::vector<Leaf>& leaves, const c10::Device& device, const std::vector<int64_t>& sizes) {
+  for (Leaf& leaf : leaves) {
+    if (!leaf.plain) continue;
+    try {
+      leaf.out = gather_op().call(leaf.chunks, leaf.dim, device);
+      leaf.follows = sizes_follow(leaf, sizes);
+    } catch (const std::exception&) {
+      leaf.plain = false;
+    }
+    leaf.chunks.clear();  // each chunk's memory may go as soon as its leaf is gathered
+  }
+}
+
+PyObject* results(std::vector<Leaf>& leaves) {
+  const auto n = static_cast<Py_ssize_t>(leaves.size());
+  PyObject* outs = PyList_New(n);
+  PyObject* follows = PyList_New(n);
+  if (outs == nullptr || follows == nullptr) {
+    Py_XDECREF(outs);
+    Py_XDECREF(follows);
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    Leaf& leaf = leaves[static_cast<size_t>(i)];
+    PyObject* t = Py_None;
+    if (leaf.plain) {
+      t = THPVariable_Wrap(std::move(leaf.out));
+      if (t == nullptr) {
+        Py_DECREF(outs);
+        Py_DECREF(follows);
+        return nullptr;
+      }
+    } else {
+      Py_INCREF(Py_None);
+    }
+    PyList_SET_ITEM(outs, i, t);
+    PyObject* flag = leaf.follows ? Py_True : Py_False;
+    Py_INCREF(flag);
+    PyList_SET_ITEM(follows, i, flag);
+  }
+  bool all = true;
+  for (const Leaf& leaf : leaves) all = all && leaf.plain && leaf.follows;
+  PyObject* triple = PyTuple_Pack(3, outs, follows, all ? Py_True : Py_False);
+  Py_DECREF(outs);
+  Py_DECREF(follows);
+  return triple;
+}
+
+// _gather_many(columns, dims, device, sizes) -> (outs, follows, all_done) | NotImplemented
+//   columns: per replica, its output leaves (one list each, all of one length); dims: per leaf, the dim to
+//   concatenate; device: where the results go; sizes: the call's chunk sizes, for `follows`.
+//   outs[i]: leaf i gathered, or None where Python must gather it itself; follows[i]: whether leaf i's chunks are
+//   `sizes` long along their dim (only then is there nothing to warn about); all_done: every leaf gathered and
+//   following.
+PyObject* py_gather_many(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  PyObject* const* columns;
+  Py_ssize_t replicas;
+  std::vector<int64_t> dims, sizes;
+  if (nargs != 4 || at::impl::torch_function_mode_enabled() || !items_of(args[0], columns, replicas) ||
+      replicas == 0 || !plain_ints(args[1], dims) || !THPDevice_Check(args[2]) || !plain_ints(args[3], sizes)) {
+    return not_implemented();
+  }
+  const c10::Device device = reinterpret_cast<THPDevice*>(args[2])->device;
+  std::vector<Leaf> leaves(dims.size());
+  for (size_t i = 0; i < dims.size(); ++i) {
+    leaves[i].dim = dims[i];
+    leaves[i].chunks.reserve(static_cast<size_t>(replicas));
+  }
+  if (!unpack(columns, static_cast<size_t>(replicas), leaves)) return not_implemented();
+  for (Leaf& leaf : leaves) leaf.plain = leaf.plain && plain_leaf(leaf);
+  {
+    ReleaseGil nogil;
+    gather_plain(leaves, device, sizes);
+  }
+  return results(leaves);
+  END_HANDLE_TH_ERRORS
+}
+
+// _plain_batch(tensors, specs, cuda) -> (batch, axes, device_index) | None | NotImplemented
+//   tensors: a call's tensor leaves; specs: per tensor, its int spec, or None (it is passed whole);
+//   cuda: whether CUDA tensors are allowed beside CPU ones.
+//   When every tensor is a plain dense one (no subclass, nested, quantized or sparse one) on the CPU (or CUDA),
+//   every one under an int spec has that axis (none is 0-dim or channels_last) and they agree on its size: that
+//   size (-1 when no spec is an int), each one's axis counted from the front (-1 under None), and the device
+//   index they all share (-1: the CPU). Else None: DataParallel's planning then walks the call in full and says
+//   what is wrong (or what it does instead).
+PyObject* py_plain_batch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  PyObject* const* tensors;
+  PyObject* const* specs;
+  Py_ssize_t n, n_specs;
+  if (nargs != 3 || at::impl::torch_function_mode_enabled() || !items_of(args[0], tensors, n) ||
+      !items_of(args[1], specs, n_specs) || n != n_specs || !PyBool_Check(args[2])) {
+    return not_implemented();
+  }
+  const bool cuda = args[2] == Py_True;
+  int64_t batch = -1;
+  int64_t index = -2;  // the mapped tensors' device index, once one is seen
+  PyObject* axes = PyList_New(n);
+  if (axes == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    int64_t axis = -1;
+    bool ok = THPVariable_CheckExact(tensors[i]);
+    if (ok) {
+      const at::Tensor& t = THPVariable_Unpack(tensors[i]);
+      ok = t.is_cpu() || (cuda && t.is_cuda());
+      if (ok && specs[i] != Py_None) {
+        int64_t spec;
+        const int64_t nd = t.dim();
+        ok = plain_int(specs[i], spec) && dense(t) && nd > 0 && spec >= -nd && spec < nd && !maybe_channels_last(t);
+        if (ok) {
+          axis = spec < 0 ? spec + nd : spec;
+          const int64_t size = t.size(axis);
+          const int64_t dev = t.is_cpu() ? -1 : t.get_device();
+          ok = (batch < 0 || size == batch) && (index == -2 || dev == index);
+          batch = size;
+          index = dev;
+        }
+      }
+    }
+    if (!ok) {
+      Py_DECREF(axes);
+      Py_RETURN_NONE;
+    }
+    PyObject* a = PyLong_FromLongLong(axis);
+    if (a == nullptr) {
+      Py_DECREF(axes);
+      return nullptr;
+    }
+    PyList_SET_ITEM(axes, i, a);
+  }
+  return Py_BuildValue("(LNL)", static_cast<long long>(batch), axes, static_cast<long long>(index < -1 ? -1 : index));
+  END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef methods[] = {
+    {"_gather_many", DPFAST_FASTCALL(py_gather_many),
+     "the gathers of many output leaves (dpfast/move/gather.py); None for a leaf it leaves to Python"},
+    {"_plain_batch", DPFAST_FASTCALL(py_plain_batch),
+     "the batch size of a call's plain tensor leaves (dpfast/plan/call_plan.py); None when planning must walk"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+}  // namespace
+
+PyMethodDef* python_many_methods() { return methods; }
+
+}  // namespace dpfast

@@ -211,8 +211,8 @@ class DataParallel(SettingsAttributes, nn.DataParallel):
             lease = self._replicas.lease(self.module, source, devices)
             outputs = _run_leased(lease, lambda: run_replicas(lease.modules, inputs_per_replica, devices, self._pool,
                                                               lease.watch))  # fmt: skip
-        s = self._settings_or_now()
-        return gather_outputs(outputs, self.out_dims, self.dim, s.output_device, sizes, s.outputs)
+        s, out_dims = self._settings_or_now(), self.out_dims
+        return gather_outputs(outputs, out_dims, self.dim, s.output_device, sizes, s.outputs_for(out_dims))
 
     # -- torch.nn.DataParallel's hooks, with dpfast's semantics -----------------------------------------------------
 

@@ -356,3 +356,94 @@ def test_a_kept_structure_holds_none_of_the_calls_tensors():
     del value, out
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+# ---- dict keys: the same key, not an equal one (found by review) -------------------------------------------------
+
+
+class _EqualKey:
+    """Equal to every other instance, hashed by identity (as a one-element tensor is): equal, yet another key."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __eq__(self, other):
+        return isinstance(other, _EqualKey)
+
+    def __hash__(self):
+        return id(self)
+
+    def __repr__(self):
+        return self.name
+
+
+def test_tensor_keys_are_planned_afresh():
+    """Multi-element tensor keys: ``==`` gives a tensor, whose truth value raised on the warmed wrapper only."""
+    k1, k2 = torch.tensor([1, 2]), torch.tensor([1, 3])
+    x = torch.randn(4, 2)
+    _like_a_fresh_wrapper(_dp, ({k1: x},), ({k2: x},))
+
+
+class _Identity(nn.Module):
+    def forward(self, x):
+        return x
+
+
+@pytest.mark.parametrize("keys", ["objects", "tensors"])
+def test_equal_but_distinct_keys_get_their_own_specs(keys):
+    """The full walk looks a dict's specs up by hash: a key equal to the kept one is still another key (the warmed
+    wrapper gave it the kept key's spec: B = 4 instead of 3)."""
+    a, b = (_EqualKey("a"), _EqualKey("b")) if keys == "objects" else (torch.tensor(1), torch.tensor(1))
+    got = _like_a_fresh_wrapper(
+        lambda: _dp(_Identity(), in_dims={"x": {a: 1}}), ({a: torch.randn(3, 4)},), ({b: torch.randn(3, 4)},)
+    )
+    assert got[0] == "ok" and got[1][b].shape == (3, 4)
+
+
+class _KeyedOutput(nn.Module):
+    key: object = None
+
+    def forward(self, x):
+        return {type(self).key: x}
+
+
+@pytest.mark.parametrize("keys", ["equal objects", "tensors"])
+def test_output_keys_are_gathered_afresh(keys):
+    a, b = (_EqualKey("a"), _EqualKey("b")) if keys == "equal objects" else (torch.tensor([1, 2]), torch.tensor([1, 3]))
+    module, x = _KeyedOutput(), torch.randn(4, 6)
+    _KeyedOutput.key = a
+    try:
+        dp = _dp(module, out_dims={a: 1} if keys == "equal objects" else 0)
+        _warm(dp, x)
+        dp(x)
+        _KeyedOutput.key = b
+        fresh = _dp(_KeyedOutput(), out_dims={a: 1} if keys == "equal objects" else 0)
+        _same(dp(x), fresh(x))
+    finally:
+        _KeyedOutput.key = None
+
+
+def test_out_dims_changed_during_the_call_is_honoured():
+    """out_dims mutated in place inside forward: the gather reads the specs of now, as a fresh wrapper does."""
+
+    class Mutates(nn.Module):
+        wrapper = None
+        flip = False
+
+        def forward(self, x):
+            if type(self).flip:
+                type(self).wrapper.out_dims["y"] = 1
+            return {"y": x}
+
+    def outcome(warm):
+        module = Mutates()
+        dp = Mutates.wrapper = _dp(module, out_dims={"y": 0})
+        Mutates.flip = False
+        x = torch.randn(4, 6)
+        if warm:
+            _warm(dp, x)
+            dp(x)
+        Mutates.flip = True
+        return dp(x)["y"].shape
+
+    assert outcome(warm=True) == outcome(warm=False) == (2, 12)

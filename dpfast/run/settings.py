@@ -128,6 +128,15 @@ class Settings:
         self.outputs = OutputSkeleton()
         self._module, self._forward = module, _forward_identity(module)
         self._fingerprint = fingerprint(tuple(values.values()))
+        self._out_dims = fingerprint(values["out_dims"])
+
+    def outputs_for(self, out_dims: Any) -> OutputSkeleton | None:
+        """:attr:`outputs`, when ``out_dims`` (the wrapper's at the gather) is still the one these settings were
+        resolved from: a ``forward`` may change it in place, and the gather then walks it as a fresh wrapper does."""
+        unchanged = out_dims is self.values["out_dims"] and (
+            isinstance(out_dims, _ATOMS) or fingerprint(out_dims) == self._out_dims
+        )
+        return self.outputs if unchanged else None
 
     @staticmethod
     def _devices(values: Mapping[str, Any]) -> tuple[list[torch.device], torch.device | None, list[Fraction] | None]:

@@ -200,7 +200,14 @@ def _depth(tdef: TreeDef) -> int:
     return deepest
 
 
+# keys compared by value: types whose == is a bool and agrees with their hash (a dict finds an equal one)
+_VALUE_KEYS = frozenset({str, int, bytes, float, complex, bool, type(None)})
+
+
 def _same_keys(a: tuple, b: tuple) -> bool:
-    """The same keys in the same order, each of the same type (``1`` and ``True`` are equal, but not the same key
-    in a path)."""
-    return len(a) == len(b) and all(x is y or (type(x) is type(y) and x == y) for x, y in zip(a, b))
+    """The same keys in the same order. Beyond the builtin atoms (each of the same type: ``1`` and ``True`` are
+    equal, but not the same key in a path) only the same object is the same key: an equal tensor or an object
+    hashed by identity is another key to the dict, and a tensor's ``==`` is no bool."""
+    return len(a) == len(b) and all(
+        x is y or (type(x) is type(y) and type(x) in _VALUE_KEYS and x == y) for x, y in zip(a, b)
+    )

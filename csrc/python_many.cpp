@@ -235,10 +235,10 @@ PyObject* py_plain_batch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const bool cuda = args[2] == Py_True;
   int64_t batch = -1;
   int64_t index = -2;  // the mapped tensors' device index, once one is seen
-  PyObject* axes = PyList_New(n);
-  if (axes == nullptr) return nullptr;
+  // The items are borrowed: nothing that can run Python (a GC-tracked allocation may run a collection, and a
+  // finalizer may empty the lists) happens until the last one is read; the axes go to Python after the loop.
+  std::vector<int64_t> axes(static_cast<size_t>(n), -1);
   for (Py_ssize_t i = 0; i < n; ++i) {
-    int64_t axis = -1;
     bool ok = THPVariable_CheckExact(tensors[i]);
     if (ok) {
       const at::Tensor& t = THPVariable_Unpack(tensors[i]);
@@ -248,27 +248,29 @@ PyObject* py_plain_batch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         const int64_t nd = t.dim();
         ok = plain_int(specs[i], spec) && dense(t) && nd > 0 && spec >= -nd && spec < nd && !maybe_channels_last(t);
         if (ok) {
-          axis = spec < 0 ? spec + nd : spec;
+          const int64_t axis = spec < 0 ? spec + nd : spec;
           const int64_t size = t.size(axis);
           const int64_t dev = t.is_cpu() ? -1 : t.get_device();
           ok = (batch < 0 || size == batch) && (index == -2 || dev == index);
           batch = size;
           index = dev;
+          axes[static_cast<size_t>(i)] = axis;
         }
       }
     }
-    if (!ok) {
-      Py_DECREF(axes);
-      Py_RETURN_NONE;
-    }
-    PyObject* a = PyLong_FromLongLong(axis);
+    if (!ok) Py_RETURN_NONE;
+  }
+  PyObject* list = PyList_New(n);
+  if (list == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* a = PyLong_FromLongLong(axes[static_cast<size_t>(i)]);
     if (a == nullptr) {
-      Py_DECREF(axes);
+      Py_DECREF(list);
       return nullptr;
     }
-    PyList_SET_ITEM(axes, i, a);
+    PyList_SET_ITEM(list, i, a);
   }
-  return Py_BuildValue("(LNL)", static_cast<long long>(batch), axes, static_cast<long long>(index < -1 ? -1 : index));
+  return Py_BuildValue("(LNL)", static_cast<long long>(batch), list, static_cast<long long>(index < -1 ? -1 : index));
   END_HANDLE_TH_ERRORS
 }
 

@@ -231,6 +231,24 @@ ENTRY_POINT_CASES = {
         assert C._plain_batch(xs, hostile([0, 0, 0]), False) is None
         assert C._plain_batch([NotATensor()] * 3, [0, 0, 0], False) is None
     """,
+    # _plain_batch borrows the list's items: a collection run by an allocation (here a finalizer that empties the
+    # list) must not come before the last item is read
+    "plain_batch_list_emptied_by_a_collection": """
+        import gc
+        xs, specs, plain_batch = [torch.randn(300, 2) for _ in range(64)], [0] * 64, C._plain_batch
+        def empty(phase, info):
+            if phase == "start":
+                xs.clear()
+        gc.collect()
+        gc.callbacks.append(empty)
+        gc.set_threshold(1)  # the next GC-tracked allocation collects: the call's own first one
+        try:
+            got = plain_batch(xs, specs, False)
+        finally:
+            gc.set_threshold(700)
+            gc.callbacks.remove(empty)
+        assert got == (300, [0] * 64, -1) and not xs, got
+    """,
 }
 
 

@@ -100,6 +100,8 @@ def leaf_paths(tdef: TreeDef, path: str) -> list[str]:
 
 _PLAIN = {"tuple": tuple, "list": list, "dict": dict}
 MAX_DEPTH = 64  # a skeleton is read recursively: deeper structures are walked in full every time
+# the dict keys a skeleton keeps, compared by value: types whose == is a bool and agrees with their hash
+_VALUE_KEYS = frozenset({str, int, bytes, float, complex, bool, type(None)})
 
 
 class Whole:
@@ -178,6 +180,8 @@ def skeleton_of(tdef: TreeDef, leaves: Sequence[Any]) -> Any:
     def combine(node: TreeDef, children: list) -> Any:
         if None in children or _PLAIN.get(node.kind) is not node.meta:
             return None
+        if node.kind == "dict" and not all(type(k) in _VALUE_KEYS for k in node.keys):
+            return None  # a key of another kind is the same key only as the same object: kept, it would stay alive
         return Skeleton(node.kind, node.keys, children)
 
     return fold(tdef, iter(codes), combine)
@@ -200,14 +204,11 @@ def _depth(tdef: TreeDef) -> int:
     return deepest
 
 
-# keys compared by value: types whose == is a bool and agrees with their hash (a dict finds an equal one)
-_VALUE_KEYS = frozenset({str, int, bytes, float, complex, bool, type(None)})
-
-
 def _same_keys(a: tuple, b: tuple) -> bool:
-    """The same keys in the same order. Beyond the builtin atoms (each of the same type: ``1`` and ``True`` are
-    equal, but not the same key in a path) only the same object is the same key: an equal tensor or an object
-    hashed by identity is another key to the dict, and a tensor's ``==`` is no bool."""
+    """The same keys in the same order, each of the same type (``1`` and ``True`` are equal, but not the same key
+    in a path). A skeleton keeps only builtin atoms as keys (:func:`skeleton_of`): an equal tensor or an object
+    hashed by identity is another key to a dict, and a tensor's ``==`` is no bool, so ``b``'s keys of any other
+    type differ from every kept key."""
     return len(a) == len(b) and all(
         x is y or (type(x) is type(y) and type(x) in _VALUE_KEYS and x == y) for x, y in zip(a, b)
     )

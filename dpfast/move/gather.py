@@ -17,8 +17,8 @@ from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from .. import ops
-from ..trees.containers import LEAF, TreeDef, describe_value, is_namedtuple
-from ..trees.flatten import Skeleton, skeleton_of, unflatten
+from ..trees.containers import TreeDef, describe_value, is_namedtuple
+from ..trees.flatten import Skeleton, read_along, skeleton_of, unflatten
 from ..trees.specs import ITEMS, Leaf, Spec, match_spec
 from .nested import gather_jagged
 from .scatter import inverse, memory_order, move, move_all
@@ -59,14 +59,10 @@ class OutputSkeleton:
         columns, tdef = [], None
         for out in outputs:
             flat: list = []
-            if type(skeleton) is Skeleton:
-                read = skeleton.read(out, flat)
-            else:  # the output is one tensor
-                read = LEAF if type(out) is Tensor else None
-                flat.append(out)
-            if read is None:
+            defs: list = []
+            if not read_along((skeleton,), (out,), flat, defs):
                 return _AGAIN
-            tdef = read if tdef is None else tdef  # replica 0's structure: the result's
+            tdef = defs[0] if tdef is None else tdef  # replica 0's structure: the result's
             columns.append(flat)
         done = ops._gather_many(columns, specs, device, list(sizes))
         if done is None:

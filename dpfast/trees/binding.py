@@ -16,7 +16,7 @@ from typing import Any, Callable
 from torch import Tensor
 
 from .containers import LEAF, TreeDef
-from .flatten import Skeleton, is_leaf, skeleton_of, unflatten_from
+from .flatten import read_along, skeleton_of, unflatten_from
 from .specs import ITEMS, Leaf, Spec, Walk, is_int, is_leaf_spec, path_text, validate_spec
 
 
@@ -266,17 +266,8 @@ class BoundArguments:
         values = (*args, *kwargs.values())
         flat: list = []
         defs: list[TreeDef] = []
-        for node, value in zip(skeleton.args, values):
-            if type(node) is Skeleton:
-                tdef = node.read(value, flat)
-                if tdef is None:
-                    return None
-                defs.append(tdef)
-            elif is_leaf(node, value):
-                flat.append(value)
-                defs.append(LEAF)
-            else:
-                return None
+        if not read_along(skeleton.args, values, flat, defs):
+            return None
         self = cls.__new__(cls)
         self.binding, self.n_args, self.kw_keys, self.values = binding, skeleton.n_args, skeleton.kw_keys, values
         self.arg_defs, self.arg_names = defs, skeleton.arg_names

@@ -147,19 +147,24 @@ class Skeleton:
             leaves.extend(values)
             tdef.children = [LEAF] * len(values)
             return tdef
-        kids = tdef.children
-        for code, v in zip(self.children, values):
-            if type(code) is Skeleton:
-                child = code.read(v, leaves)
-                if child is None:
-                    return None
-                kids.append(child)
-            elif is_leaf(code, v):
-                leaves.append(v)
-                kids.append(LEAF)
-            else:
-                return None
-        return tdef
+        return tdef if read_along(self.children, values, leaves, tdef.children) else None
+
+
+def read_along(codes: Sequence[Any], values: Sequence[Any], leaves: list, defs: list) -> bool:
+    """Read ``values`` along their skeleton codes (a :class:`Skeleton` or a leaf's code each): each one's TreeDef
+    appended to ``defs`` and its leaves to ``leaves``; False at the first value of another structure."""
+    for code, v in zip(codes, values):
+        if type(code) is Skeleton:
+            child = code.read(v, leaves)
+            if child is None:
+                return False
+            defs.append(child)
+        elif is_leaf(code, v):
+            leaves.append(v)
+            defs.append(LEAF)
+        else:
+            return False
+    return True
 
 
 def is_leaf(code: Any, value: Any) -> bool:

@@ -63,8 +63,9 @@ def _split(plan: CallPlan) -> tuple[list[torch.device], list[int], list[tuple[tu
     """The devices, chunk sizes and ``(args, kwargs)`` of the replicas a plan runs: what forward and the
     ``scatter()`` hook both run (a plan that splits nothing is one call on the first device)."""
     if plan.mode == "split":
-        devices = [d for _, d, _ in plan.replicas]
-        sizes = [s for _, _, s in plan.replicas]
+        replicas = plan.replicas
+        devices = [d for _, d, _ in replicas]
+        sizes = [s for _, _, s in replicas]
         return devices, sizes, scatter_tree(plan.tree, sizes, devices)
     source = plan.devices[0]
     return [source], [plan.batch_size or 0], [move_tree(plan.tree, source)]
@@ -146,11 +147,14 @@ class DataParallel(SettingsAttributes, nn.DataParallel):
         if not s.devices:
             return passthrough_plan(forward_of(self.module), inputs, kwargs)
         self._replicas.check_module_device(self.module, s.devices[0])
-        return self._plan_on(s.devices, inputs, kwargs)
+        return self._plan_on(s.devices, inputs, kwargs, s)
 
-    def _plan_on(self, devices: list[torch.device], inputs: tuple, kwargs: dict) -> CallPlan:
-        """The plan of a call split over ``devices`` (``chunk_sizes`` weigh the wrapper's own devices only)."""
-        s = self._settings_or_now()
+    def _plan_on(
+        self, devices: list[torch.device], inputs: tuple, kwargs: dict, settings: Settings | None = None
+    ) -> CallPlan:
+        """The plan of a call split over ``devices`` (``chunk_sizes`` weigh the wrapper's own devices only), under
+        ``settings`` (default: the settings now)."""
+        s = self._settings_or_now() if settings is None else settings
         weights = s.weights if devices == s.devices else None
         return plan_call(
             s.specs, inputs, kwargs, len(devices), weights,

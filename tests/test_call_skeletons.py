@@ -466,3 +466,17 @@ def test_a_kept_structure_holds_none_of_the_calls_keys(keys):
     del key, out
     gc.collect()
     assert ref() is None
+
+
+def test_a_call_of_the_kept_structure_keeps_its_skeleton_when_its_values_need_the_full_walk():
+    """A channels_last batch always takes the full walk (the fast batch check declines it): the skeleton of its
+    very structure stays kept, not made again at every call."""
+    dp = _dp(_Identity())
+    x = torch.randn(4, 3, 2, 2).contiguous(memory_format=torch.channels_last)
+    _warm(dp, torch.randn(4, 3, 2, 2))
+    binding = dp._settings.specs
+    kept = binding.skeleton
+    assert kept is not None
+    for _ in range(3):
+        _same(dp(x), x)
+    assert binding.skeleton is kept

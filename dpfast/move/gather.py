@@ -18,7 +18,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 
 from .. import ops
 from ..trees.containers import TreeDef, describe_value, is_namedtuple
-from ..trees.flatten import Skeleton, read_along, skeleton_of, unflatten
+from ..trees.flatten import read_along, skeleton_of, unflatten
 from ..trees.specs import ITEMS, Leaf, Spec, match_spec
 from .nested import gather_jagged
 from .scatter import inverse, memory_order, move, move_all
@@ -42,9 +42,11 @@ class OutputSkeleton:
         """Keep the structure of outputs the full walk just gathered, once the same count of leaves came twice in a
         row (a workload whose outputs change every call never pays for a skeleton)."""
         signature = (tdef.kind, len(leaves))
-        if self.signature == signature and all(type(leaf.spec) is int for leaf in leaves):
+        if self.signature == signature and all(
+            type(leaf.spec) is int and type(leaf.value) is Tensor for leaf in leaves
+        ):
             skeleton = skeleton_of(tdef, [leaf.value for leaf in leaves])
-            if skeleton is Tensor or (type(skeleton) is Skeleton and _tensors_only(skeleton)):
+            if skeleton is not None:
                 specs = [leaf.spec for leaf in leaves]
                 self.kept = (skeleton, specs, [(leaf._where, leaf.explicit) for leaf in leaves])
         self.signature = signature
@@ -66,36 +68,29 @@ class OutputSkeleton:
             columns.append(flat)
         done = ops._gather_many(columns, specs, device, list(sizes))
         if done is None:
-            return _AGAIN
+            return _SAME_STRUCTURE
         outs, follows, all_done = done
         if not all_done:  # a leaf the extension left (0-dim outputs, stacked...), or a warning: leaf by leaf
+            weights = _weights(sizes)
             for k, (out, ok, (where, explicit)) in enumerate(zip(outs, follows, paths)):
                 if out is None or not ok:
                     leaf = Leaf(where, columns[0][k], specs[k], explicit, -1, k, tuple(c[k] for c in columns[1:]))
-                    outs[k] = _leaf_again(leaf, out, device, sizes)
+                    outs[k] = _leaf_result(leaf, out, ok, device, weights, sizes)
         return unflatten(tdef, outs)
 
 
-def _leaf_again(leaf: Leaf, out: Tensor | None, device: torch.device, sizes: Sequence[int]) -> Any:
-    """A leaf of outputs read along a skeleton that the extension did not gather (None) or that may warn."""
+def _leaf_result(
+    leaf: Leaf, out: Tensor | None, follows: bool, device: torch.device, weights: list[float], sizes: Sequence[int]
+) -> Any:
+    """A leaf's result from what the extension made of it: gathered here where it left the leaf (None), or its
+    result, warned about where the chunks do not follow the call's sizes."""
     if out is None:
-        return _gather_leaf(leaf, [leaf.value, *leaf.others], device, _weights(sizes), sizes)
-    return _warned(leaf, out, sizes)
+        return _gather_leaf(leaf, [leaf.value, *leaf.others], device, weights, sizes)
+    return out if follows else _warned(leaf, out, sizes)
 
 
-_AGAIN = object()
-
-
-def _tensors_only(skeleton: Skeleton) -> bool:
-    stack = [skeleton]
-    while stack:
-        node = stack.pop()
-        for c in node.children:
-            if type(c) is Skeleton:
-                stack.append(c)
-            elif c is not Tensor:
-                return False
-    return True
+_AGAIN = object()  # OutputSkeleton.gather: the full walk must gather these outputs
+_SAME_STRUCTURE = object()  # ... and they have the kept structure, which stays kept (the same one would be made)
 
 
 def gather_outputs(
@@ -118,8 +113,10 @@ def gather_outputs(
     """
     if kept is not None:
         result = kept.gather(outputs, device, sizes)
-        if result is not _AGAIN:
+        if result is not _AGAIN and result is not _SAME_STRUCTURE:
             return result
+        if result is _SAME_STRUCTURE:
+            kept = None
     spec = dim if out_dims is None else out_dims
     leaves: list[Leaf] = []
     # one walk over every replica's output: replica 0's leaves, each with the others' values at the same place
@@ -130,13 +127,8 @@ def gather_outputs(
     weights = _weights(sizes)
     gathered, follows = _gather_plain(leaves, device, sizes)
     result = unflatten(
-        tdef,
-        [
-            _gather_leaf(leaf, [leaf.value, *leaf.others], device, weights, sizes) if out is None
-            else out if ok else _warned(leaf, out, sizes)
-            for leaf, out, ok in zip(leaves, gathered, follows)
-        ],
-    )  # fmt: skip
+        tdef, [_leaf_result(leaf, out, ok, device, weights, sizes) for leaf, out, ok in zip(leaves, gathered, follows)]
+    )
     if kept is not None:
         kept.remember(tdef, leaves)
     return result

@@ -216,10 +216,12 @@ def plan_call(
     and the spec and cost errors (``TypeError``/``ValueError`` naming the argument) before anything is copied.
     """
     devices = list(devices)
+    kept = False  # whether the call has the kept skeleton's structure (only its values sent it down the full walk)
     if cost is None and len(devices) != 1 and binding.skeleton is not None:
         plan = _plan_again(binding, args, kwargs, parts, weights, devices, output_device)
-        if plan is not None:
+        if type(plan) is CallPlan:
             return plan
+        kept = plan
     tree = BoundArguments(binding, args, kwargs)
     if devices:
         check_input_devices(tree, devices)
@@ -237,7 +239,7 @@ def plan_call(
         balance = Balance(costs, cost.text, sizes, count, weights)
     if batch == 0:
         return CallPlan("once", tree, mapped, 0, sizes, devices, output_device, "B = 0")
-    if cost is None:
+    if cost is None and not kept:  # (a kept skeleton of this very structure stays: the same one would be made)
         _remember(binding, tree)
     return CallPlan("split", tree, mapped, batch, sizes, devices, output_device, balance=balance)
 
@@ -276,20 +278,21 @@ def _plan_again(
     weights: Sequence[Fraction] | None,
     devices: list[torch.device],
     output_device: torch.device | None,
-) -> CallPlan | None:
+) -> CallPlan | bool:
     """The plan of a call whose arguments have the structure of the last call that split (the binding's skeleton),
     when every tensor is a plain dense one on an allowed device and those to split agree on ``B > 0``: what the
-    full walk below plans for it, without walking specs or making a record per leaf. None in every other case, and
-    the full walk plans the call (and raises what is wrong)."""
+    full walk below plans for it, without walking specs or making a record per leaf. Else whether the call has the
+    skeleton's structure (its values are what the full walk must look at), and the full walk plans the call (and
+    raises what is wrong)."""
     skeleton = binding.skeleton
     tree = BoundArguments.again(binding, skeleton, args, kwargs) if skeleton is not None else None
     if tree is None:
-        return None
+        return False
     flat = tree.flat
     tensors = flat if len(skeleton.tensors) == len(flat) else [flat[i] for i in skeleton.tensors]
     facts = ops._plain_batch(tensors, skeleton.specs, not devices or devices[0].type == "cuda")
     if facts is None or facts[0] <= 0:
-        return None
+        return True
     batch, axes, _ = facts
     tree.mark_split(axes, batch)
     return CallPlan("split", tree, None, batch, split_sizes(batch, parts, weights), devices, output_device)

@@ -21,6 +21,7 @@ from torch import Tensor
 from ..plan.call_plan import CallPlan
 from ..plan.errors import ScatterError
 from ..plan.render import shape_text
+from ..trees.specs import Leaf
 
 NAME = "dpfast.DistributedDataParallel"
 
@@ -69,33 +70,35 @@ class StepRecord:
         self.status, self.error, self._fp = max(self.status, status), error, None
 
     def error_line(self) -> str:
-        e = self.error
-        if e is None:
-            return ""
-        first = str(e).splitlines()[0] if str(e) else ""
-        return f"{type(e).__name__}: {first}" if first else type(e).__name__
+        return "" if self.error is None else error_line(self.error)
 
 
-def _leaf_text(leaf: Any, mapped: Any, per_rank: bool) -> str:
+def error_line(e: BaseException) -> str:
+    """``e`` in one line: its type and its message's first line."""
+    first = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+def _leaf_text(leaf: Leaf, per_rank: bool) -> str:
     v = leaf.value
-    if mapped is None:
+    if leaf.split is None:
         kind = f"tensor(requires_grad={v.requires_grad})" if isinstance(v, Tensor) else type(v).__name__
         return f"spec {leaf.spec!r}: {kind}"
-    if mapped.is_items:
+    if leaf.is_items:
         return f"items: {type(v).__name__}" if per_rank else f"items: {type(v).__name__}[{len(v)}]"
-    data = v.data if mapped.is_packed else v
+    data = v.data if leaf.is_packed else v
     grad = ", requires_grad" if data.requires_grad else ""
-    kind = "packed " if mapped.is_packed else ""
+    kind = "packed " if leaf.is_packed else ""
     if per_rank:  # each rank's own rows: sizes may differ, the rest must not
         return f"{kind}{data.dim()}-dim {data.dtype}, batch axis {leaf.spec!r}{grad}"
     return f"{kind}{shape_text(v)} {data.dtype}{grad}"
 
 
-def _values_hash(leaf: Any, mapped: Any) -> str:
+def _values_hash(leaf: Leaf) -> str:
     v = leaf.value
-    if mapped.is_items:
+    if leaf.is_items:
         return fingerprint(v).to_bytes(8, "little", signed=True).hex()
-    t = (v.data if mapped.is_packed else v).detach().contiguous().cpu()
+    t = (v.data if leaf.is_packed else v).detach().contiguous().cpu()
     return hashlib.blake2b(t.reshape(-1).view(torch.uint8).numpy().tobytes(), digest_size=8).hexdigest()
 
 
@@ -110,10 +113,9 @@ def describe_step(plan: CallPlan | None, error: BaseException | None, per_rank: 
         items["B"] = "-" if plan.batch_size is None else str(plan.batch_size)
         items["split"] = f"{list(plan.sizes)}{' by cost' if plan.balance is not None else ''}"
     for leaf in tree.leaves:
-        m = leaf if leaf.split is not None else None
-        items[leaf.path] = _leaf_text(leaf, m, per_rank)
-        if hash_values and m is not None:
-            items[f"{leaf.path} values"] = _values_hash(leaf, m)
+        items[leaf.path] = _leaf_text(leaf, per_rank)
+        if hash_values and leaf.split is not None:
+            items[f"{leaf.path} values"] = _values_hash(leaf)
     return StepRecord(OK, None, items)
 
 

@@ -143,7 +143,7 @@ class GatheredOutputs:
         for i, kind in enumerate(self.kinds):
             if kind == "cat":
                 parts = [self.pieces[r][i] for r in range(self.group.world) if self.rows[i][r]]
-                empty = (0,) + _row_shape(self.shapes[i], self.axes[i])
+                empty = (0,) + row_shape(self.shapes[i], self.axes[i])
                 full = torch.cat(parts, 0) if parts else torch.empty(empty, dtype=self.dtypes[i])
                 full = full.to(self.devices[i])
                 outs.append(full.movedim(0, self.axes[i]) if self.shapes[i] else full)  # 0-dim: stacked
@@ -195,7 +195,7 @@ class GatheredOutputs:
         return summed.narrow(axis, start, n_rows)
 
 
-def _row_shape(shape: tuple, axis: int) -> tuple:
+def row_shape(shape: tuple, axis: int) -> tuple:
     """A "cat" tensor's shape without its gathered axis (a 0-dim tensor gathers as one row of shape ())."""
     return tuple(n for k, n in enumerate(shape) if k != axis) if shape else ()
 

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from ..run.collectives import all_gather, all_reduce
 from ..trees.flatten import unflatten
 from ..trees.specs import Leaf, Spec, match_spec
-from .agreement import EMPTY_REFUSED, GHOST_COUNTED, OK
+from .agreement import EMPTY_REFUSED, GHOST_COUNTED, OK, error_line
 from .exchanges import ZeroOut
 
 Entry = tuple  # (kind, dim or op, shape, dtype, device) of one collective
@@ -172,14 +172,10 @@ def run_empty_share(
     return EmptyShareResult(out, OK, None)
 
 
-def _first_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0]}" if str(e) else type(e).__name__
-
-
 def _refusal(empty: BaseException, ghost: BaseException | None) -> BaseException:
-    text = f"the module refused an empty batch ({_first_line(empty)})"
+    text = f"the module refused an empty batch ({error_line(empty)})"
     if ghost is not None:
-        text += f" and one sample ({_first_line(ghost)})"
+        text += f" and one sample ({error_line(ghost)})"
     err = RuntimeError(text)
     err.__cause__ = ghost or empty
     return err

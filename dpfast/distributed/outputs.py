@@ -13,6 +13,7 @@ disagreement found in the headers raises on every rank before anything is decode
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,8 +26,8 @@ from torch.nn.utils.rnn import PackedSequence
 from ..trees.containers import TreeDef
 from ..trees.flatten import unflatten
 from ..trees.specs import Leaf, Spec, match_spec
-from .agreement import NAME, DistributedBatchError, fingerprint
-from .exchanges import Exchange, GatheredOutputs, RankGroup
+from .agreement import NAME, DistributedBatchError, error_line, fingerprint
+from .exchanges import Exchange, GatheredOutputs, RankGroup, row_shape
 
 HEADER_FIELDS = 8  # step status, check fingerprint, forwards, gather status, layout fingerprint, bytes, rows, 0
 _HEADER_BYTES = 8 * HEADER_FIELDS
@@ -84,8 +85,7 @@ def _concatenated_leaf(got: _Leaves, leaf: Leaf) -> None:
             "axis, or None/'sum'/'mean'"
         )
     axis = s % v.dim() if v.dim() else 0
-    other = tuple(n for i, n in enumerate(v.shape) if i != axis)
-    got.desc.append((leaf.path, "cat", axis, v.dim(), str(v.dtype), other))
+    got.desc.append((leaf.path, "cat", axis, v.dim(), str(v.dtype), row_shape(tuple(v.shape), axis)))
     got.slots.append(("t", len(got.tensors), None))
     got.tensors.append(v)
     got.kinds.append("cat")
@@ -180,20 +180,13 @@ def _decode(got: _Leaves, payloads: Sequence[Tensor]) -> tuple[list[list[int]], 
         for t, kind, axis in zip(got.tensors, got.kinds, got.axes):
             shape = tuple(t.shape)
             if kind == "cat":
-                shape = (next(it),) + (tuple(n for k, n in enumerate(t.shape) if k != axis) if t.dim() else ())
-            n = t.element_size() * _numel(shape)
+                shape = (next(it),) + row_shape(shape, axis)
+            n = t.element_size() * math.prod(shape)
             mine.append(p[offset : offset + n].view(t.dtype).view(shape))
             offset += _aligned(n)
         pieces.append(mine)
     rows = [[head[r][j] for r in range(len(payloads))] for j in range(n_cat)]
     return rows, pieces
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 @dataclasses.dataclass
@@ -223,7 +216,7 @@ def gather_across_ranks(call: OutputsCall, out: Any, failed: bool) -> tuple[Any,
         try:
             got = _sort_leaves(out, spec, call.dim, call.out_dims is not None)
         except (TypeError, ValueError) as exc:
-            error, got = exc, _Leaves(desc=[("error", f"{type(exc).__name__}: {str(exc).splitlines()[0]}")])
+            error, got = exc, _Leaves(desc=[("error", error_line(exc))])
     active = _active(call, g.rank)
     payload = _Payload(got, active)
     layout = fingerprint(got.desc)

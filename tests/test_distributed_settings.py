@@ -10,13 +10,12 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 import torch.distributed as dist
 from torch import nn
 
 import dpfast
 
-from ddp_harness import GroupRuns, expect_batch_error
+from ddp_harness import GroupRuns, expect_batch_error, xy
 from dp_testing import DT, Losses
 
 
@@ -27,11 +26,6 @@ class ByLength(nn.Module):
 
     def forward(self, x, lengths):
         return self.lin(x) * lengths.unsqueeze(1)
-
-
-def _xy(b, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(b, 4, dtype=DT, generator=g), torch.randn(b, 2, dtype=DT, generator=g)
 
 
 def _one_rank_differs(name, mine, others):
@@ -48,7 +42,7 @@ def _one_rank_differs(name, mine, others):
 
 def _still_usable():
     ddp = dpfast.DistributedDataParallel(Losses().to(DT), out_dims=("mean", "sum", 0), gather_outputs=True)
-    mse, sse, pred = ddp(*_xy(5))
+    mse, sse, pred = ddp(*xy(5))
     (mse + sse).backward()
     assert pred.shape == (5, 2)
 
@@ -78,13 +72,13 @@ def _settings_are_fixed():
             setattr(ddp, name, value)
     assert ddp.gather_outputs is False and ddp.in_dims is None and ddp.dim == 0
     ddp.find_unused_parameters = False  # torch's own attributes are untouched
-    mse, _, _ = ddp(*_xy(4))
+    mse, _, _ = ddp(*xy(4))
     mse.backward()
 
 
 def _dtype_lines_differ():
     """A dtype mismatch printed the same line for every rank (only shapes were shown): now each rank's dtype."""
-    x, y = _xy(4)
+    x, y = xy(4)
     if dist.get_rank() == 1:
         y = y.float()
     ddp = dpfast.DistributedDataParallel(Losses().to(DT), out_dims=("mean", "sum", 0), gather_outputs=True)

@@ -22,7 +22,6 @@ import os
 import pathlib
 import re
 import shlex
-import socket
 import sys
 import traceback
 import types
@@ -30,6 +29,8 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+
+from ddp_harness import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -130,12 +131,6 @@ def output_matches(expected: str, got: str) -> bool:
 # ---- running a page --------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _is_a(exc: BaseException, name: str) -> bool:
     return any(name in (c.__name__, f"{c.__module__}.{c.__qualname__}") for c in type(exc).__mro__)
 
@@ -172,7 +167,7 @@ def run_page(page: pathlib.Path) -> list[str]:
     module = types.ModuleType(name)  # a real module, so dataclasses and pickling find the page's classes
     sys.modules[name] = module
     old_cwd, old_env = os.getcwd(), dict(os.environ)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(_free_port())  # blocks setdefault them
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())  # blocks setdefault them
     os.chdir(ROOT)
     sys.path.insert(0, str(ROOT))  # as `python` started in the checkout: `from examples.rrn import RRN` works
     torch.manual_seed(0)

@@ -9,6 +9,7 @@
 #include "op_handles.h"
 #include "python_args.h"
 #include "python_calls.h"
+#include "python_fast.h"
 
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <torch/csrc/Device.h>
@@ -20,31 +21,6 @@
 namespace dpfast {
 namespace {
 
-// Releases the GIL for the op itself, as torch's own bindings do, so replica threads copy concurrently.
-struct ReleaseGil {
-  PyThreadState* state = PyEval_SaveThread();
-  ~ReleaseGil() { PyEval_RestoreThread(state); }
-};
-
-PyObject* not_implemented() { Py_RETURN_NOTIMPLEMENTED; }
-
-// The items of an exact list or tuple (borrowed), or false for anything else. Borrowing is safe here, unlike in
-// python_args.h: every check below is a type comparison that runs no Python code, so nothing can mutate the
-// list while its items are read, and the op itself runs on the at::Tensor references taken from them.
-bool items_of(PyObject* seq, PyObject* const*& items, Py_ssize_t& n) {
-  if (PyList_CheckExact(seq)) {
-    items = reinterpret_cast<PyObject* const*>(PySequence_Fast_ITEMS(seq));
-    n = PyList_GET_SIZE(seq);
-    return true;
-  }
-  if (PyTuple_CheckExact(seq)) {
-    items = reinterpret_cast<PyObject* const*>(PySequence_Fast_ITEMS(seq));
-    n = PyTuple_GET_SIZE(seq);
-    return true;
-  }
-  return false;
-}
-
 // Plain tensors only: a subclass may define __torch_function__, which torch.ops honours and we would skip.
 bool plain_tensors(PyObject* const* items, Py_ssize_t n, std::vector<at::Tensor>& out) {
   if (at::impl::torch_function_mode_enabled()) return false;
@@ -54,13 +30,6 @@ bool plain_tensors(PyObject* const* items, Py_ssize_t n, std::vector<at::Tensor>
     out.push_back(THPVariable_Unpack(items[i]));
   }
   return true;
-}
-
-bool plain_int(PyObject* obj, int64_t& out) {
-  if (!PyLong_CheckExact(obj)) return false;  // bool and int subclasses go the torch.ops way
-  int overflow = 0;
-  out = PyLong_AsLongLongAndOverflow(obj, &overflow);
-  return overflow == 0 && !(out == -1 && PyErr_Occurred());
 }
 
 bool plain_sizes(PyObject* seq, std::vector<c10::SymInt>& out) {

@@ -6,6 +6,7 @@
 #include "python_costs.h"
 
 #include "python_args.h"
+#include "python_fast.h"
 
 #include <ATen/ops/empty.h>
 #include <torch/csrc/Exceptions.h>
@@ -203,20 +204,6 @@ struct BalancedSearch {
     return out;
   }
 };
-
-PyObject* int_list_object(const std::vector<int64_t>& values) {
-  PyObject* list = PyList_New(static_cast<Py_ssize_t>(values.size()));
-  if (list == nullptr) return nullptr;
-  for (size_t i = 0; i < values.size(); ++i) {
-    PyObject* v = PyLong_FromLongLong(values[i]);
-    if (v == nullptr) {
-      Py_DECREF(list);
-      return nullptr;
-    }
-    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), v);
-  }
-  return list;
-}
 
 // _balanced_bounds(prefix, mult, targets, lo_high, lo_low, hi_high, hi_low) -> list of k + 1 bounds: the search of
 // dpfast.plan.splits.balanced_split for k devices, on the prefix sums of _exact_prefix. mult: the k positive

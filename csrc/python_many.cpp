@@ -18,6 +18,7 @@
 
 #include "op_handles.h"
 #include "python_args.h"
+#include "python_fast.h"
 
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <torch/csrc/Device.h>
@@ -29,44 +30,6 @@
 
 namespace dpfast {
 namespace {
-
-PyObject* not_implemented() { Py_RETURN_NOTIMPLEMENTED; }
-
-// Releases the GIL while the ops run, as torch's own bindings do: other threads run while we copy.
-struct ReleaseGil {
-  PyThreadState* state = PyEval_SaveThread();
-  ~ReleaseGil() { PyEval_RestoreThread(state); }
-};
-
-// A list or tuple's items (borrowed), or false for anything else.
-bool items_of(PyObject* seq, PyObject* const*& items, Py_ssize_t& n) {
-  if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) return false;
-  items = reinterpret_cast<PyObject* const*>(PySequence_Fast_ITEMS(seq));
-  n = PySequence_Fast_GET_SIZE(seq);
-  return true;
-}
-
-bool plain_int(PyObject* obj, int64_t& out) {
-  if (!PyLong_CheckExact(obj)) return false;
-  int overflow = 0;
-  out = PyLong_AsLongLongAndOverflow(obj, &overflow);
-  if (out == -1 && PyErr_Occurred()) {
-    PyErr_Clear();
-    return false;
-  }
-  return overflow == 0;
-}
-
-bool plain_ints(PyObject* seq, std::vector<int64_t>& out) {
-  PyObject* const* items;
-  Py_ssize_t n;
-  if (!items_of(seq, items, n)) return false;
-  out.resize(static_cast<size_t>(n));
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    if (!plain_int(items[i], out[static_cast<size_t>(i)])) return false;
-  }
-  return true;
-}
 
 // One leaf: its chunks (one per replica) and the dim to concatenate; `plain` until a check says otherwise.
 struct Leaf {
@@ -260,16 +223,8 @@ PyObject* py_plain_batch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     if (!ok) Py_RETURN_NONE;
   }
-  PyObject* list = PyList_New(n);
+  PyObject* list = int_list_object(axes);
   if (list == nullptr) return nullptr;
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* a = PyLong_FromLongLong(axes[static_cast<size_t>(i)]);
-    if (a == nullptr) {
-      Py_DECREF(list);
-      return nullptr;
-    }
-    PyList_SET_ITEM(list, i, a);
-  }
   return Py_BuildValue("(LNL)", static_cast<long long>(batch), list, static_cast<long long>(index < -1 ? -1 : index));
   END_HANDLE_TH_ERRORS
 }

@@ -104,9 +104,6 @@ def scatter_tree(
     if tree.split is not None:
         return _scatter_flat(tree, sizes, devices)
     n = len(devices)
-    position = {d: k for k, d in enumerate(dict.fromkeys(devices))}
-    distinct = list(position)  # a replicated tensor is copied once per distinct device
-    slots = [position[d] for d in devices]
     per_leaf: list[list] = [None] * len(tree.leaves)  # type: ignore[list-item]
     groups: dict[tuple[torch.device, int, tuple | None], list[Leaf]] = {}
     for leaf in tree.leaves:
@@ -115,8 +112,7 @@ def scatter_tree(
             groups.setdefault((v.device, leaf.axis, memory_order(v)), []).append(leaf)
         elif how is None:
             if isinstance(v, (Tensor, PackedSequence)):
-                moved = [move(v, d) for d in distinct]
-                per_leaf[leaf.index] = [moved[k] for k in slots]
+                per_leaf[leaf.index] = _replicated(v, devices)
             else:
                 per_leaf[leaf.index] = [v] * n
         elif how == "items":
@@ -159,17 +155,20 @@ def _scatter_flat(
         chunks = ops.scatter(flat, axis, sizes, devices)
         return [tree.rebuild(row, own_caches=True) for row in zip(*chunks)]
     per_replica = [list(flat) for _ in devices]  # everything else reaches every replica by reference
-    position = {d: k for k, d in enumerate(dict.fromkeys(devices))}
-    distinct, slots = list(position), [position[d] for d in devices]
-    for i in whole:  # copied once per distinct device (the original where it already is)
-        moved = [move(flat[i], d) for d in distinct]
-        for row, k in zip(per_replica, slots):
-            row[i] = moved[k]
+    for i in whole:
+        for row, moved in zip(per_replica, _replicated(flat[i], devices)):
+            row[i] = moved
     for axis, idx in groups.items():
         for i, chunks in zip(idx, ops.scatter([flat[i] for i in idx], axis, sizes, devices)):
             for row, chunk in zip(per_replica, chunks):
                 row[i] = chunk
     return [tree.rebuild(row, own_caches=True) for row in per_replica]
+
+
+def _replicated(v: Any, devices: Sequence[torch.device]) -> list:
+    """``v`` for each of ``devices``: copied once per distinct device (the original where it already is)."""
+    moved = {d: move(v, d) for d in dict.fromkeys(devices)}
+    return [moved[d] for d in devices]
 
 
 def split_quantized(q: Tensor, axis: int, sizes: Sequence[int], devices: Sequence[torch.device]) -> list[Tensor]:

@@ -9,14 +9,18 @@ rounds inside the ranks (a barrier before each variant), ratios per round, media
   its ratio to ``torch`` is the measurement's noise floor);
 * ``dpfast``: ``dpfast.DistributedDataParallel`` given the global batch (it keeps its 32 rows);
 * ``dpfast unchecked``: the same with ``check_batch=False`` (what the checks cost);
+* ``dpfast (Python hook)``: ``dpfast`` with the check's Python comm hook (what CUDA buckets, a user's own comm hook
+  and the pure-Python fallback get) instead of the C++ one;
 * ``dpfast per-rank``: ``inputs="per_rank"``, given this rank's 32 rows;
 * ``torch+gather``: torch's DDP, then ``torch.distributed.nn.functional.all_gather`` of the outputs and the loss on
   the full batch;
 * ``dpfast gather`` / ``dpfast per-rank gather``: ``gather_outputs=True``, the loss on the gathered outputs.
 
-Target: ``dpfast`` <= 1.10x ``torch``, and the gather variants <= 1.10x ``torch+gather``. The collectives each step
-issues are counted too (as ``tests/test_distributed_checks.py`` does, on separate wrappers whose DDP reducer runs
-through torch's Python default comm hook, so that the counter sees it).
+Target: ``dpfast`` <= 1.10x ``torch``, and the gather variants <= 1.10x ``torch+gather``. On this 2-core machine
+two ranks' step is mostly their loopback round trip, so the step variants are also timed on **one rank** (a group of
+one: the same reducer and hooks, no peer), where what the wrapper costs is not hidden in a peer's latency. The
+collectives each step issues are counted too (as ``tests/test_distributed_checks.py`` does, on separate wrappers whose
+DDP reducer runs through torch's Python default comm hook, so that the counter sees it).
 
 **Many tensors.** One forward (under ``no_grad``) of a list of ``TINY`` = 10,000 tensors ``(8, 2)`` through a module
 that scales each by one weight: ``dpfast many`` is given the global list (each rank keeps its 4 rows of every
@@ -49,12 +53,14 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import dpfast
 from dpfast.distributed import BalancedBatchSampler, shard_range
+from dpfast.distributed.bucket_check import NativeBucketCheck
 
 WORLD, BATCH = 2, 64
 RATIOS = [
     ("torch (again)", "torch"),  # the noise floor: the same step, timed as another variant
     ("dpfast", "torch"),
     ("dpfast unchecked", "torch"),
+    ("dpfast (Python hook)", "torch"),
     ("dpfast per-rank", "torch"),
     ("dpfast gather", "torch+gather"),
     ("dpfast per-rank gather", "torch+gather"),
@@ -69,6 +75,16 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
 
 
+def _python_hook_wrapper(module: nn.Module) -> dpfast.DistributedDataParallel:
+    """A wrapper whose check runs through the Python comm hook, as on CUDA buckets (``native_hook_available``)."""
+    saved = dpfast.distributed.module.native_hook_available
+    dpfast.distributed.module.native_hook_available = lambda module, group: False
+    try:
+        return dpfast.DistributedDataParallel(module)
+    finally:
+        dpfast.distributed.module.native_hook_available = saved
+
+
 def _steps(count: bool) -> dict:
     """The step of every variant on this rank (``count``: torch's reducer through the Python default hook)."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -80,6 +96,7 @@ def _steps(count: bool) -> dict:
     ours = {
         "dpfast": dpfast.DistributedDataParallel(_mlp()),
         "dpfast unchecked": dpfast.DistributedDataParallel(_mlp(), check_batch=False),
+        "dpfast (Python hook)": _python_hook_wrapper(_mlp()),
         "dpfast per-rank": dpfast.DistributedDataParallel(_mlp(), inputs="per_rank"),
         "dpfast gather": dpfast.DistributedDataParallel(_mlp(), gather_outputs=True),
         "dpfast per-rank gather": dpfast.DistributedDataParallel(_mlp(), inputs="per_rank", gather_outputs=True),
@@ -96,6 +113,7 @@ def _steps(count: bool) -> dict:
                 out = torch.cat(dist_nn.all_gather(out))
             F.cross_entropy(out, target).backward()
 
+        run.model = model  # type: ignore[attr-defined]
         return run
 
     return {
@@ -103,6 +121,7 @@ def _steps(count: bool) -> dict:
         "torch (again)": step(torch_ddp, xs, ys),
         "dpfast": step(ours["dpfast"], x, ys),
         "dpfast unchecked": step(ours["dpfast unchecked"], x, ys),
+        "dpfast (Python hook)": step(ours["dpfast (Python hook)"], x, ys),
         "dpfast per-rank": step(ours["dpfast per-rank"], xs, ys),
         "torch+gather": step(torch_gather, xs, y, gather_by_hand=True),
         "dpfast gather": step(ours["dpfast gather"], x, y),
@@ -175,6 +194,12 @@ def _counting(calls: list, name: str, fn):
     return wrapper
 
 
+def _native_collectives(step) -> int:
+    """The all-reduces a wrapper's C++ check hook issued (the Python counter does not see them)."""
+    check = getattr(getattr(step, "model", None), "_bucket_check", None)
+    return check.collectives if isinstance(check, NativeBucketCheck) else 0
+
+
 def _counted(variants: dict, steps: int = 5) -> dict:
     """Collectives per step of every variant, as "name" or "name (blocking)" -> count."""
     out = {}
@@ -185,14 +210,52 @@ def _counted(variants: dict, steps: int = 5) -> dict:
         saved = {n: getattr(dist, n) for n in _COLLECTIVES}
         for n, f in saved.items():
             setattr(dist, n, _counting(calls, n, f))
+        before = _native_collectives(fn)
         try:
             for _ in range(steps):
                 fn()
         finally:
             for n, f in saved.items():
                 setattr(dist, n, f)
+        calls += ["all_reduce"] * (_native_collectives(fn) - before)  # the C++ check hook's (async)
         out[name] = {k: v / steps for k, v in collections.Counter(calls).items()}
     return out
+
+
+ONE_RANK = ("torch", "torch (again)", "dpfast", "dpfast unchecked", "dpfast (Python hook)", "dpfast per-rank")
+
+
+def _one_rank_worker(port: int, outdir: str, budget_s: float, rounds: int) -> None:
+    """The step variants in a group of one (no peer): what each costs this process."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=120))
+    try:
+        steps = _steps(count=False)
+        samples = _timed({k: steps[k] for k in ONE_RANK}, budget_s, rounds)
+        with open(os.path.join(outdir, "one_rank.json"), "w") as f:
+            json.dump(samples, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_one_rank(budget_s: float, rounds: int) -> dict:
+    """Seconds per step and ratios to ``torch`` of the step variants on one rank (spawns it)."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as outdir:
+        proc = ctx.Process(target=_one_rank_worker, args=(_free_port(), outdir, budget_s, rounds))
+        proc.start()
+        proc.join(30 * budget_s + 120)
+        if proc.is_alive():
+            proc.kill()
+        with open(os.path.join(outdir, "one_rank.json")) as f:
+            samples = json.load(f)
+    return {
+        "seconds": {k: statistics.median(v) for k, v in samples.items()},
+        "ratios": {
+            f"{k}/torch": statistics.median(p / q for p, q in zip(samples[k], samples["torch"])) for k in ONE_RANK[1:]
+        },
+    }
 
 
 def _worker(rank: int, port: int, outdir: str, budget_s: float, rounds: int, tiny: int) -> None:
@@ -305,7 +368,9 @@ def run_balance(world: int = 4, per_rank: int = 16, n: int = 16384) -> dict:
 
 
 def run_ddp(quick: bool, budget_s: float, rounds: int) -> dict:
-    steps = run_steps(budget_s, rounds if quick else 2 * rounds, TINY // 5 if quick else TINY)
+    rounds = rounds if quick else 2 * rounds
+    steps = run_steps(budget_s, rounds, TINY // 5 if quick else TINY)
+    steps["one rank"] = run_one_rank(budget_s, rounds)
     return {"steps": steps, "balance": run_balance(n=4096 if quick else 16384)}
 
 
@@ -326,6 +391,11 @@ def print_ddp(result: dict) -> None:
             else f"target <= 1.10: {'met' if value <= 1.10 else 'NOT met'}"
         )
         print(f"{key:<40} {value:>6.3f}   {verdict}")
+    one = s["one rank"]
+    print("\nThe same step on one rank (a group of one: no peer latency), ms / step and ratio to torch")
+    for name, sec in one["seconds"].items():
+        ratio = one["ratios"].get(f"{name}/torch")
+        print(f"{name:<24} {1e3 * sec:>10.3f}  {'' if ratio is None else f'{ratio:.3f}'}")
     m = s["many tensors"]
     sec, r = m["seconds"], m["dpfast many/torch many"]
     print(

@@ -1,5 +1,5 @@
 """Types of the compiled extension ``dpfast._C`` (csrc/dpfast.cpp, csrc/python_calls.cpp, csrc/python_costs.cpp,
-csrc/python_many.cpp).
+csrc/python_many.cpp, csrc/ddp_check_hook.cpp).
 
 Importing it registers the ops as ``torch.ops.dpfast.*``. The underscored functions are the direct entry points
 behind :mod:`dpfast.ops`: they take plain tensors and arguments and return ``NotImplemented`` for anything else
@@ -38,3 +38,12 @@ def _gather_many(
 
 # (B or -1, per tensor its batch axis or -1, the device index or -1), None, or NotImplemented
 def _plain_batch(tensors: Sequence[Tensor], specs: Sequence[int | None], cuda: bool) -> Any: ...
+
+# DistributedDataParallel's per-step check as a C++ comm hook on DDP's reducer (csrc/ddp_check_hook.cpp;
+# dpfast/distributed/bucket_check.py holds the Python hook it stands in for). The state is an opaque capsule.
+def _ddp_check_install(
+    reducer: Any, process_group: Any, rank: int, world: int, row_fn: Any, result_fn: Any
+) -> object: ...
+def _ddp_check_delegate(state: object, hook: Any) -> None: ...
+def _ddp_check_read(state: object) -> None: ...
+def _ddp_check_collectives(state: object) -> int: ...

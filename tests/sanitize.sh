@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # `make sanitize`: the CPU extension and the tests' C++ hooks built with AddressSanitizer and UBSan (build/sanitize,
 # beside the normal build), then tests/test_ops.py, the argument, memory-safety, cost-arithmetic and kernel-walk
-# tests, and the seeded fuzzers of the ops (tests/fuzz_ops.py) and of the entry points' argument parsing
-# (tests/fuzz_entry_points.py) against it. Any sanitizer report fails the run, and is printed.
-#   FUZZ_SECONDS (default 60) bounds the fuzzer, FUZZ_SEED (default 0) seeds it; PY is the venv's python.
+# tests, DistributedDataParallel's C++ check hook on gloo ranks (spawned ranks inherit the preload), and the seeded
+# fuzzers of the ops (tests/fuzz_ops.py), of argument trees (tests/fuzz_structures.py) and of the entry points'
+# argument parsing (tests/fuzz_entry_points.py) against it. Any sanitizer report fails the run, and is printed.
+#   FUZZ_SECONDS (default 60) bounds each fuzzer (the entry points' a third), FUZZ_SEED (default 0) seeds them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py="$(command -v "${PY:-.venv/bin/python}")"
@@ -46,7 +47,7 @@ status=0
 # --capture=sys leaves file descriptor 2 alone, so a report from a test that aborts the process is not lost
 run "$(dirname "$py")/pytest" -q -p no:cacheprovider --capture=sys tests/test_ops.py tests/test_op_arguments.py \
   tests/test_memory_safety.py tests/test_native_costs.py tests/test_balance.py \
-  tests/test_cuda_decisions_on_host.py || status=$?
+  tests/test_cuda_decisions_on_host.py tests/test_ddp_check_hook.py tests/test_distributed_checks.py || status=$?
 run "$py" tests/fuzz_ops.py --seconds "${FUZZ_SECONDS:-60}" --seed "${FUZZ_SEED:-0}" || status=$?
 run "$py" tests/fuzz_structures.py --seconds "${FUZZ_SECONDS:-60}" --seed "${FUZZ_SEED:-0}" || status=$?
 run "$py" tests/fuzz_entry_points.py --seconds "$(( ${FUZZ_SECONDS:-60} / 3 + 1 ))" --seed "${FUZZ_SEED:-0}" || status=$?

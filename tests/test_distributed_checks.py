@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import dpfast
+from dpfast.distributed.bucket_check import BucketCheck, NativeBucketCheck
 
 from ddp_harness import GroupRuns, expect_batch_error, losses_loss, xy
 from dp_testing import DT, Losses
@@ -69,12 +70,20 @@ def _counting():
             setattr(dist, name, fn)
 
 
-def _per_step(step, steps=4):
+def _native_collectives(ddp):
+    """The all-reduces dpfast's C++ check hook issued (not seen by the Python counter); 0 without one."""
+    check = getattr(ddp, "_bucket_check", None)
+    return check.collectives if isinstance(check, NativeBucketCheck) else 0
+
+
+def _per_step(step, steps=4, ddp=None):
     for _ in range(3):  # warm up: the first call's check, DDP's bucket rebuild, the exchange's capacity
         step()
+    native = _native_collectives(ddp)
     with _counting() as calls:
         for _ in range(steps):
             step()
+    calls += [("all_reduce", False)] * (_native_collectives(ddp) - native)  # async: the hook waits for nothing
     counts = collections.Counter(calls)
     return {k: v / steps for k, v in counts.items()}
 
@@ -121,12 +130,13 @@ def _steps(factory, gather, inputs_mode):
         ddp.zero_grad()
         ddp(x if inputs_mode == "global" else mine).pow(2).mean().backward()
 
-    return torch_step, dpfast_step
+    return torch_step, dpfast_step, ddp
 
 
 def _no_more_than_torch(factory, gather, inputs_mode):
-    torch_step, dpfast_step = _steps(factory, gather, inputs_mode)
-    theirs, ours = _per_step(torch_step), _per_step(dpfast_step)
+    torch_step, dpfast_step, ddp = _steps(factory, gather, inputs_mode)
+    theirs, ours = _per_step(torch_step), _per_step(dpfast_step, ddp=ddp)
+    assert ours.get(("all_reduce", False), 0) >= 1, f"dpfast's gradient all-reduce went uncounted: {dict(ours)}"
     assert _total(ours) <= _total(theirs), f"collectives per step: dpfast {dict(ours)}, torch {dict(theirs)}"
     assert _blocking(ours) <= _blocking(theirs), f"blocking calls per step: dpfast {dict(ours)}, torch {dict(theirs)}"
 
@@ -224,6 +234,35 @@ def _user_comm_hook():
     expect_batch_error(lambda: ddp(x[: 4 - rank]).sum().backward(), contains=("B differs across ranks",))
 
 
+def _the_hook_in_use():
+    """With the compiled extension, a CPU module's check is the C++ hook; without it (or on CUDA), the Python one."""
+    ddp = dpfast.DistributedDataParallel(nn.Linear(4, 2).to(DT))
+    native = dpfast.build_info()["extension_loaded"]
+    assert isinstance(ddp._bucket_check, NativeBucketCheck if native else BucketCheck), type(ddp._bucket_check)
+    x = torch.randn(4, 4, dtype=DT)
+    ddp(x).sum().backward()
+    if native:
+        assert ddp._bucket_check.collectives == 1  # one bucket: its all-reduce carried the table
+
+
+@contextlib.contextmanager
+def _python_hook():
+    """The Python comm hook (what CUDA buckets and the pure-Python fallback get), here on CPU buckets."""
+    saved = dpfast.distributed.module.native_hook_available
+    dpfast.distributed.module.native_hook_available = lambda module, group: False
+    try:
+        yield
+    finally:
+        dpfast.distributed.module.native_hook_available = saved
+
+
+def _on_the_python_hook(scenario):
+    with _python_hook():
+        ddp = dpfast.DistributedDataParallel(nn.Linear(4, 2).to(DT))
+        assert type(ddp._bucket_check) is BucketCheck
+        scenario()
+
+
 def _scenarios(world):
     out = {}
     for mode in ("global", "per_rank"):
@@ -242,6 +281,13 @@ def _scenarios(world):
     out["no_sync_chain"] = _no_sync_chain
     out["forward_counts_differ"] = _forward_counts_differ
     out["user_comm_hook"] = _user_comm_hook
+    out["the_hook_in_use"] = _the_hook_in_use
+    for name in ("mismatch_later", "no_sync_chain", "forward_counts_differ", "user_comm_hook"):
+        out[f"{name}_python_hook"] = functools.partial(_on_the_python_hook, out[name])
+    out["no_more_collectives_than_torch_python_hook"] = functools.partial(
+        _on_the_python_hook, out["no_more_collectives_than_torch_global"]
+    )
+    out["bad_inputs_later_python_hook"] = functools.partial(_on_the_python_hook, out["bad_inputs_later"])
     return out
 
 

@@ -12,11 +12,16 @@ forward, so there a disagreement raises one step late.
 
 A comm hook the user registers (:meth:`DistributedDataParallel.register_comm_hook`) still runs on every bucket;
 the table then takes one all-reduce of its own, beside the first bucket's.
+
+With the compiled extension and CPU buckets, :class:`NativeBucketCheck` runs the same protocol as a C++ comm hook
+(``csrc/ddp_check_hook.cpp``): Python then runs twice a step, to give this rank's row and to take the result.
+:class:`BucketCheck` (this module's Python hook) serves CUDA buckets, a user's hook, and the pure-Python fallback.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from ..ext.loader import C as _C
 from .exchanges import RankGroup
 
 _MASK64 = (1 << 64) - 1
@@ -49,6 +55,12 @@ def decode_row(values: Sequence[float], bits: int) -> list[int]:
     ints = [int(v) for v in values]
     fp = sum(piece << (bits * k) for k, piece in enumerate(ints[2:]))
     return [ints[0], fp - (1 << 64) if fp >> 63 else fp, ints[1]]
+
+
+def decode_table(values: Sequence[float], bits: int, world: int) -> list[list[int]]:
+    """Every rank's row of an all-reduced table."""
+    k = _row_width(bits)
+    return [decode_row(values[r * k : (r + 1) * k], bits) for r in range(world)]
 
 
 class BucketCheck:
@@ -139,7 +151,7 @@ class BucketCheck:
             event.record()
             self._deferred = (host, event, bits)
             return
-        self.verify(self._rows(table.tolist(), bits))
+        self.verify(decode_table(table.tolist(), bits, self.group.world))
 
     def read_deferred(self) -> None:
         """CUDA: check the table the last backward copied to the host (its copy has long finished)."""
@@ -148,8 +160,71 @@ class BucketCheck:
         host, event, bits = self._deferred
         self._deferred = None
         event.synchronize()
-        self.verify(self._rows(host.tolist(), bits))
+        self.verify(decode_table(host.tolist(), bits, self.group.world))
 
-    def _rows(self, values: list[float], bits: int) -> list[list[int]]:
-        k = _row_width(bits)
-        return [decode_row(values[r * k : (r + 1) * k], bits) for r in range(self.group.world)]
+    def set_user_hook(self, state: object, hook: Callable) -> None:
+        """The user's ``hook(state, bucket)`` communicates every bucket from now on (once: torch allows one)."""
+        if self.user_hook is not None:
+            raise RuntimeError("register_comm_hook can only be called once")
+        self.user_hook = (state, hook)
+
+
+def native_hook_available(module: torch.nn.Module, group: RankGroup) -> bool:
+    """The C++ hook takes CPU buckets: a module whose parameters are all on the CPU, talking over the CPU."""
+    if _C is None or not hasattr(_C, "_ddp_check_install") or group.comm_device.type != "cpu":
+        return False
+    return all(p.device.type == "cpu" for p in module.parameters())
+
+
+class NativeBucketCheck:
+    """:class:`BucketCheck`'s protocol as a C++ comm hook on ``reducer`` (``csrc/ddp_check_hook.cpp``).
+
+    The hook asks ``row()`` for this rank's row when the first bucket is ready, and compares the all-reduced table
+    when ``backward()`` ends: when every row is this rank's and says OK it calls ``agreed()``, else ``verify(rows)``
+    (which raises on every rank). A hook the user registers later sends every bucket through :class:`BucketCheck`.
+    """
+
+    def __init__(
+        self,
+        reducer: Any,
+        group: RankGroup,
+        row: Callable[[], list[int]],
+        verify: Callable[[list[list[int]]], None],
+        agreed: Callable[[], None],
+    ) -> None:
+        self._python = BucketCheck(group, row, verify)
+        # the callables reach neither this object nor the wrapper: the hook's state holds them, and no cycle
+        # runs through it (a capsule is invisible to the garbage collector)
+        on_table = functools.partial(_on_table, group.world, verify, agreed)
+        self._state = _C._ddp_check_install(reducer, group.process_group, group.rank, group.world, row, on_table)
+
+    @property
+    def user_hook(self) -> tuple[Any, Callable] | None:
+        return self._python.user_hook
+
+    def set_user_hook(self, state: object, hook: Callable) -> None:
+        """As :meth:`BucketCheck.set_user_hook`; the C++ hook hands every bucket to the Python one from now on."""
+        self._python.set_user_hook(state, hook)
+        _C._ddp_check_delegate(self._state, self._python.hook)
+
+    def read(self) -> None:
+        """Check a table no backward's end read (DDP's shadow of a backward runs the hook outside one)."""
+        _C._ddp_check_read(self._state)
+        self._python.read()
+
+    def read_deferred(self) -> None:
+        """Nothing is deferred on the CPU (the Python hook's, after a user hook: also nothing)."""
+        self._python.read_deferred()
+
+    @property
+    def collectives(self) -> int:
+        """The all-reduces the C++ hook issued (the Python hook's go through ``torch.distributed``)."""
+        return int(_C._ddp_check_collectives(self._state))
+
+
+def _on_table(world: int, verify: Callable, agreed: Callable, table: torch.Tensor | None, bits: int) -> None:
+    """The C++ hook's result: ``None`` when every rank's row is this one (and OK), else the all-reduced table."""
+    if table is None:
+        agreed()
+    else:
+        verify(decode_table(table.tolist(), bits, world))

@@ -49,7 +49,7 @@ from ..plan.errors import ScatterError
 from ..run.collectives import observe_process_group_collectives
 from ..trees.specs import Spec
 from .agreement import EMPTY_REFUSED, GHOST_COUNTED, OK, StepRecord, describe_step
-from .bucket_check import BucketCheck
+from .bucket_check import BucketCheck, NativeBucketCheck, native_hook_available
 from .checks import StepChecks
 from .ddp_overrides import KeepingStepOverrides, _ShareRefused
 from .exchanges import RankGroup, through_input_grads
@@ -157,10 +157,14 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
         comm = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
         self._group = RankGroup(self.process_group, self._rank, self._world, comm)
         self._checks = StepChecks(self._group, enabled=bool(check_batch))
-        self._bucket_check: BucketCheck | None = None
+        self._bucket_check: BucketCheck | NativeBucketCheck | None = None
         if check_batch and not self.gather_outputs:
-            self._bucket_check = BucketCheck(self._group, self._checks.row, self._checks.verify)
-            super().register_comm_hook(None, self._bucket_check.hook)
+            c = self._checks
+            if native_hook_available(self.module, self._group):
+                self._bucket_check = NativeBucketCheck(self.reducer, self._group, c.row, c.verify, c.agreed)
+            else:
+                self._bucket_check = BucketCheck(self._group, c.row, c.verify)
+                super().register_comm_hook(None, self._bucket_check.hook)
         self._call = _CallState()
         self._settings_fixed = True
 
@@ -318,9 +322,7 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
         if self._bucket_check is None:
             return super().register_comm_hook(state, hook)
         self._check_comm_hook(hook)
-        if self._bucket_check.user_hook is not None:
-            raise RuntimeError("register_comm_hook can only be called once")
-        self._bucket_check.user_hook = (state, hook)
+        self._bucket_check.set_user_hook(state, hook)
 
     def join(self, *args: Any, **kwargs: Any) -> Any:
         """torch's ``join()`` context manager, for ranks whose inputs run out at different steps.

@@ -9,6 +9,7 @@
 // a host-device sync, which the Python hook avoids by reading it a step later.
 #include "ddp_check_hook.h"
 
+#include <ATen/ScalarOps.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -170,8 +171,10 @@ class CheckHook final : public c10d::CommHookInterface {
     }
     if (delegate != nullptr) return delegate->runHook(bucket);  // the user's hook, through the Python check
     at::Tensor& buf = bucket.getBufferRef();
-    if (bucket.getIndex() != 0) {  // DDP's default: divide, then sum
-      buf.div_(s_->world);
+    // As DDP's reducer does without a hook (bit for bit): times 1 / W (a double scalar), then sum
+    const double scale = 1.0 / static_cast<double>(s_->world);
+    if (bucket.getIndex() != 0) {
+      buf.mul_(scale);
       std::vector<at::Tensor> tensors{buf};
       {
         std::lock_guard<std::mutex> lock(s_->mu);
@@ -194,7 +197,7 @@ class CheckHook final : public c10d::CommHookInterface {
       everyone = e.everyone;
     }
     head = full.narrow(0, 0, n);
-    head.copy_(buf).div_(s_->world);  // as the other buckets: divide, then sum
+    at::mul_out(head, buf, at::native::wrapped_scalar_tensor(scale));  // the reducer's own call
     std::vector<at::Tensor> tensors{full};
     auto done = s_->group->allreduce(tensors)->getFuture();
     {

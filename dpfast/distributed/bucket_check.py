@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from ..ext.loader import C as _C
 from .exchanges import RankGroup
@@ -86,13 +85,15 @@ class BucketCheck:
         if bucket.index() != 0:
             if self.user_hook is not None:
                 return self.user_hook[1](self.user_hook[0], bucket)
-            return default_hooks.allreduce_hook(self.group.process_group, bucket)
+            buf = bucket.buffer().mul_(1.0 / self.group.world)
+            fut = dist.all_reduce(buf, group=self.group.process_group, async_op=True).get_future()
+            return fut.then(lambda f: f.value()[0])
         if self.user_hook is not None:
             return self._beside_user_hook(bucket)
         buf = bucket.buffer()
         n, bits = buf.numel(), _piece_bits(buf.dtype)
         full = self._table(n, buf.dtype, buf.device, bits)
-        torch.div(buf, self.group.world, out=full[:n])  # as DDP's default hook: divide, then sum
+        torch.mul(buf, 1.0 / self.group.world, out=full[:n])  # as DDP's reducer: times 1 / W, then sum
         fut = dist.all_reduce(full, group=self.group.process_group, async_op=True).get_future()
         self._pending = (full, n, bits, None)  # the reducer waits for fut before the read
         self._read_after_backward()

@@ -68,15 +68,16 @@ struct CheckState {
   PyObject* result_fn = nullptr;  // result_fn(None or table, bits): commit the step, or verify the rows (raises)
 
   // Guards what follows: the hook runs on an autograd thread, the entry points on Python's. Never held while
-  // taking the GIL.
+  // taking the GIL or running tensor operations (a dispatch mode may run Python in them).
   std::mutex mu;
   std::optional<EncodedRow> encoded;
   std::vector<at::Tensor> buffers;  // the first bucket's gradients and the table, one per (numel, dtype)
   std::optional<Pending> pending;
-  std::unique_ptr<c10d::PythonCommHook> delegate;  // the Python hook, once the user registers one of theirs
+  std::shared_ptr<c10d::PythonCommHook> delegate;  // the Python hook, once the user registers one of theirs
   int64_t collectives = 0;
 
   ~CheckState() {
+    if (!Py_IsInitialized()) return;  // the interpreter has gone: leak what it owned rather than touch it
     pybind11::gil_scoped_acquire gil;
     Py_XDECREF(row_fn);
     Py_XDECREF(result_fn);
@@ -118,7 +119,7 @@ void read(CheckState& s) {
     p.swap(s.pending);
   }
   if (!p) return;
-  p->done->wait();  // finished already: DDP's reducer (or its shadow of a backward) waited for the buckets
+  p->done->waitAndThrow();  // finished already (the reducer, or its shadow of a backward, waited); raises if it failed
   const bool agreed = p->status_ok && at::equal(p->table, p->expected);
   pybind11::gil_scoped_acquire gil;
   PyObject* table = agreed ? (Py_INCREF(Py_None), Py_None) : THPVariable_Wrap(p->table);
@@ -129,21 +130,31 @@ void read(CheckState& s) {
   Py_DECREF(out);
 }
 
-at::Tensor& buffer_for(CheckState& s, int64_t numel, const at::TensorOptions& options) {
-  for (auto& b : s.buffers) {
-    if (b.numel() == numel && b.scalar_type() == options.dtype().toScalarType() && b.device() == options.device()) {
-      return b;
+// The kept buffer for the first bucket's gradients and the table (a few shapes: DDP rebuilds its buckets once).
+// Tensor work happens outside the lock: a dispatch mode active around backward() may run Python in it.
+at::Tensor buffer_for(CheckState& s, int64_t numel, const at::TensorOptions& options) {
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    for (auto& b : s.buffers) {
+      if (b.numel() == numel && b.scalar_type() == options.dtype().toScalarType() && b.device() == options.device()) {
+        return b;
+      }
     }
   }
-  if (s.buffers.size() >= 4) s.buffers.erase(s.buffers.begin());  // a few shapes: DDP rebuilds its buckets once
-  s.buffers.push_back(at::empty({numel}, options));
-  return s.buffers.back();
+  at::Tensor made = at::empty({numel}, options);
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (s.buffers.size() >= 4) s.buffers.erase(s.buffers.begin());
+  s.buffers.push_back(made);
+  return made;
 }
 
-const EncodedRow& encoded_for(CheckState& s, const std::array<int64_t, 3>& row, int bits, at::ScalarType dtype) {
+EncodedRow encoded_for(CheckState& s, const std::array<int64_t, 3>& row, int bits, at::ScalarType dtype) {
   const int64_t k = row_width(bits);
-  if (s.encoded && s.encoded->row == row && s.encoded->dtype == dtype && s.encoded->mine.numel() == s.world * k) {
-    return *s.encoded;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (s.encoded && s.encoded->row == row && s.encoded->dtype == dtype && s.encoded->mine.numel() == s.world * k) {
+      return *s.encoded;
+    }
   }
   const std::vector<double> values = encode_row(row, bits);
   const auto f64 = at::TensorOptions().dtype(at::kDouble);
@@ -155,8 +166,9 @@ const EncodedRow& encoded_for(CheckState& s, const std::array<int64_t, 3>& row, 
   e.mine.narrow(0, s.rank * k, k).copy_(one);
   e.mine = e.mine.to(dtype);  // exact: every value is below 2 ** bits
   e.everyone = one.repeat({s.world}).to(dtype);
-  s.encoded = std::move(e);
-  return *s.encoded;
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.encoded = e;
+  return e;
 }
 
 class CheckHook final : public c10d::CommHookInterface {
@@ -164,10 +176,10 @@ class CheckHook final : public c10d::CommHookInterface {
   explicit CheckHook(std::shared_ptr<CheckState> state) : s_(std::move(state)) {}
 
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
-    c10d::PythonCommHook* delegate = nullptr;
+    std::shared_ptr<c10d::PythonCommHook> delegate;
     {
       std::lock_guard<std::mutex> lock(s_->mu);
-      delegate = s_->delegate.get();
+      delegate = s_->delegate;
     }
     if (delegate != nullptr) return delegate->runHook(bucket);  // the user's hook, through the Python check
     at::Tensor& buf = bucket.getBufferRef();
@@ -188,34 +200,35 @@ class CheckHook final : public c10d::CommHookInterface {
     const int64_t n = buf.numel(), k = row_width(bits);
     TORCH_CHECK(s_->world > 0 && s_->world <= (std::numeric_limits<int64_t>::max() - n) / k,
                 "dpfast: a first bucket of ", n, " elements and ", s_->world, " ranks overflow the check's table");
-    at::Tensor full, head, everyone;
-    {
-      std::lock_guard<std::mutex> lock(s_->mu);
-      const EncodedRow& e = encoded_for(*s_, row, bits, buf.scalar_type());
-      full = buffer_for(*s_, n + s_->world * k, buf.options());
-      full.narrow(0, n, s_->world * k).copy_(e.mine);
-      everyone = e.everyone;
-    }
-    head = full.narrow(0, 0, n);
+    const EncodedRow e = encoded_for(*s_, row, bits, buf.scalar_type());
+    at::Tensor full = buffer_for(*s_, n + s_->world * k, buf.options());
+    full.narrow(0, n, s_->world * k).copy_(e.mine);
+    at::Tensor head = full.narrow(0, 0, n);
     at::mul_out(head, buf, at::native::wrapped_scalar_tensor(scale));  // the reducer's own call
     std::vector<at::Tensor> tensors{full};
     auto done = s_->group->allreduce(tensors)->getFuture();
     {
       std::lock_guard<std::mutex> lock(s_->mu);
       const bool status_ok = (uint64_t(row[0]) & ((uint64_t{1} << bits) - 1)) == 0;
-      s_->pending = Pending{full.narrow(0, n, s_->world * k), everyone, status_ok, bits, done};
+      s_->pending = Pending{full.narrow(0, n, s_->world * k), e.everyone, status_ok, bits, done};
       ++s_->collectives;
     }
     queue_read_after_backward();
-    return done->then([head](c10::ivalue::Future&) { return c10::IValue(head); }, c10::TensorType::get());
+    // a failed all-reduce (a peer gone) fails the bucket, as the reducer's own would: never local gradients
+    return done->then(
+        [head](c10::ivalue::Future& f) {
+          if (f.hasError()) std::rethrow_exception(f.exception_ptr());
+          return c10::IValue(head);
+        },
+        c10::TensorType::get());
   }
 
   at::Tensor parseHookResult(const c10::IValue& result) override {
     if (result.isPyObject()) {  // from the delegated Python hook
-      c10d::PythonCommHook* delegate = nullptr;
+      std::shared_ptr<c10d::PythonCommHook> delegate;
       {
         std::lock_guard<std::mutex> lock(s_->mu);
-        delegate = s_->delegate.get();
+        delegate = s_->delegate;
       }
       TORCH_CHECK(delegate != nullptr, "dpfast: a Python hook's result without the Python hook");
       return delegate->parseHookResult(result);
@@ -286,7 +299,8 @@ PyObject* ddp_check_delegate(PyObject*, PyObject* args) {
   if (!PyArg_ParseTuple(args, "OO", &capsule, &hook)) return nullptr;
   auto* s = state_of(capsule);
   if (s == nullptr) return nullptr;
-  auto delegate = std::make_unique<c10d::PythonCommHook>(pybind11::none(), pybind11::reinterpret_borrow<pybind11::object>(hook));
+  auto delegate = std::make_shared<c10d::PythonCommHook>(pybind11::none(),
+                                                         pybind11::reinterpret_borrow<pybind11::object>(hook));
   std::lock_guard<std::mutex> lock((*s)->mu);
   (*s)->delegate = std::move(delegate);
   Py_RETURN_NONE;

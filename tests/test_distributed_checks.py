@@ -21,6 +21,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import dpfast
 from dpfast.distributed.bucket_check import BucketCheck, NativeBucketCheck
+from dpfast.distributed.checks import StepChecks
 
 from ddp_harness import GroupRuns, expect_batch_error, losses_loss, xy
 from dp_testing import DT, Losses
@@ -235,14 +236,33 @@ def _user_comm_hook():
 
 
 def _the_hook_in_use():
-    """With the compiled extension, a CPU module's check is the C++ hook; without it (or on CUDA), the Python one."""
-    ddp = dpfast.DistributedDataParallel(nn.Linear(4, 2).to(DT))
+    """With the compiled extension, a CPU module's check is the C++ hook; without it (or on CUDA), the Python one.
+    The C++ hook compares the rows itself: an agreeing step commits without Python decoding the table."""
+    seen = collections.Counter()
+    saved = StepChecks.agreed, StepChecks.verify
+
+    def counted(name, fn):
+        def wrapper(self, *args):
+            seen[name] += 1
+            return fn(self, *args)
+
+        return wrapper
+
+    StepChecks.agreed, StepChecks.verify = counted("agreed", saved[0]), counted("verify", saved[1])
+    try:
+        ddp = dpfast.DistributedDataParallel(nn.Linear(4, 2).to(DT))
+    finally:
+        StepChecks.agreed, StepChecks.verify = saved
     native = dpfast.build_info()["extension_loaded"]
     assert isinstance(ddp._bucket_check, NativeBucketCheck if native else BucketCheck), type(ddp._bucket_check)
     x = torch.randn(4, 4, dtype=DT)
-    ddp(x).sum().backward()
+    for _ in range(3):
+        ddp(x).sum().backward()
     if native:
-        assert ddp._bucket_check.collectives == 1  # one bucket: its all-reduce carried the table
+        assert ddp._bucket_check.collectives == 3  # one bucket: its all-reduce carried the table
+        assert seen == {"agreed": 3}, seen
+    else:
+        assert seen == {"verify": 3}, seen
 
 
 @contextlib.contextmanager

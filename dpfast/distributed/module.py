@@ -160,7 +160,8 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
         self._bucket_check: BucketCheck | NativeBucketCheck | None = None
         if check_batch and not self.gather_outputs:
             c = self._checks
-            if native_hook_available(self.module, self._group):
+            # torch's Python reducer (compiled autograd) reads only the hooks registered through Python
+            if not getattr(self, "_use_python_reducer", False) and native_hook_available(self.module, self._group):
                 self._bucket_check = NativeBucketCheck(self.reducer, self._group, c.row, c.verify, c.agreed)
             else:
                 self._bucket_check = BucketCheck(self._group, c.row, c.verify)

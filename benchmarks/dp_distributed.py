@@ -225,52 +225,51 @@ def _counted(variants: dict, steps: int = 5) -> dict:
 ONE_RANK = ("torch", "torch (again)", "dpfast", "dpfast unchecked", "dpfast (Python hook)", "dpfast per-rank")
 
 
-def _one_rank_worker(port: int, outdir: str, budget_s: float, rounds: int) -> None:
-    """The step variants in a group of one (no peer): what each costs this process."""
+def _worker(rank: int, world: int, port: int, outdir: str, budget_s: float, rounds: int, tiny: int) -> None:
+    """Rank ``rank`` of ``world``: every row (a group of one: the step variants of ``ONE_RANK`` only, no peer)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     try:
-        steps = _steps(count=False)
-        samples = _timed({k: steps[k] for k in ONE_RANK}, budget_s, rounds)
-        with open(os.path.join(outdir, "one_rank.json"), "w") as f:
-            json.dump(samples, f)
+        if world == 1:
+            steps = _steps(count=False)
+            raw: dict = {"samples": _timed({k: steps[k] for k in ONE_RANK}, budget_s, rounds)}
+        else:
+            raw = {"samples": _timed(_steps(count=False), budget_s, rounds)}
+            raw["counts"] = _counted(_steps(count=True))
+            raw["many"] = _timed(_many_tensors(tiny), budget_s, rounds)
+        if rank == 0:
+            with open(os.path.join(outdir, "ddp.json"), "w") as f:
+                json.dump(raw, f)
     finally:
         dist.destroy_process_group()
 
 
-def run_one_rank(budget_s: float, rounds: int) -> dict:
-    """Seconds per step and ratios to ``torch`` of the step variants on one rank (spawns it)."""
+def _spawned(world: int, budget_s: float, rounds: int, tiny: int) -> dict:
+    """Rank 0's results of :func:`_worker` on ``world`` spawned ranks (killed if they overrun)."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as outdir:
-        proc = ctx.Process(target=_one_rank_worker, args=(_free_port(), outdir, budget_s, rounds))
-        proc.start()
-        proc.join(30 * budget_s + 120)
-        if proc.is_alive():
-            proc.kill()
-        with open(os.path.join(outdir, "one_rank.json")) as f:
-            samples = json.load(f)
+        args = (world, _free_port(), outdir, budget_s, rounds, tiny)
+        procs = [ctx.Process(target=_worker, args=(r, *args)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(30 * budget_s + 120)
+            if p.is_alive():
+                p.kill()
+        with open(os.path.join(outdir, "ddp.json")) as f:
+            return json.load(f)
+
+
+def run_one_rank(budget_s: float, rounds: int) -> dict:
+    """Seconds per step and ratios to ``torch`` of the step variants on one rank (spawns it)."""
+    samples = _spawned(1, budget_s, rounds, 0)["samples"]
     return {
         "seconds": {k: statistics.median(v) for k, v in samples.items()},
         "ratios": {
             f"{k}/torch": statistics.median(p / q for p, q in zip(samples[k], samples["torch"])) for k in ONE_RANK[1:]
         },
     }
-
-
-def _worker(rank: int, port: int, outdir: str, budget_s: float, rounds: int, tiny: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
-    try:
-        samples = _timed(_steps(count=False), budget_s, rounds)
-        counts = _counted(_steps(count=True))
-        many = _timed(_many_tensors(tiny), budget_s, rounds)
-        if rank == 0:
-            with open(os.path.join(outdir, "ddp.json"), "w") as f:
-                json.dump({"samples": samples, "counts": counts, "many": many}, f)
-    finally:
-        dist.destroy_process_group()
 
 
 def _free_port() -> int:
@@ -281,18 +280,7 @@ def _free_port() -> int:
 
 def run_steps(budget_s: float, rounds: int, tiny: int = TINY) -> dict:
     """The step-time rows and the many-tensors row (spawns the two ranks)."""
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as outdir:
-        args = (_free_port(), outdir, budget_s, rounds, tiny)
-        procs = [ctx.Process(target=_worker, args=(r, *args)) for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(30 * budget_s + 120)
-            if p.is_alive():
-                p.kill()
-        with open(os.path.join(outdir, "ddp.json")) as f:
-            raw = json.load(f)
+    raw = _spawned(WORLD, budget_s, rounds, tiny)
     samples = raw["samples"]
     times = {k: statistics.median(v) for k, v in samples.items()}
     ratios = {f"{a}/{b}": statistics.median(p / q for p, q in zip(samples[a], samples[b])) for a, b in RATIOS}

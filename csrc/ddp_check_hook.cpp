@@ -59,6 +59,7 @@ struct EncodedRow {
   std::array<int64_t, 3> row{};
   at::ScalarType dtype = at::kFloat;
   at::Tensor mine, everyone;
+  bool status_ok = false;  // the row's status reads OK (else no table can agree)
 };
 
 struct CheckState {
@@ -166,6 +167,7 @@ EncodedRow encoded_for(CheckState& s, const std::array<int64_t, 3>& row, int bit
   e.mine.narrow(0, s.rank * k, k).copy_(one);
   e.mine = e.mine.to(dtype);  // exact: every value is below 2 ** bits
   e.everyone = one.repeat({s.world}).to(dtype);
+  e.status_ok = values[0] == 0;  // the status piece, as decode_row reads it
   std::lock_guard<std::mutex> lock(s.mu);
   s.encoded = e;
   return e;
@@ -209,8 +211,7 @@ class CheckHook final : public c10d::CommHookInterface {
     auto done = s_->group->allreduce(tensors)->getFuture();
     {
       std::lock_guard<std::mutex> lock(s_->mu);
-      const bool status_ok = (uint64_t(row[0]) & ((uint64_t{1} << bits) - 1)) == 0;
-      s_->pending = Pending{full.narrow(0, n, s_->world * k), e.everyone, status_ok, bits, done};
+      s_->pending = Pending{full.narrow(0, n, s_->world * k), e.everyone, e.status_ok, bits, done};
       ++s_->collectives;
     }
     queue_read_after_backward();

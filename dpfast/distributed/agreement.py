@@ -10,6 +10,7 @@ differ, every rank calls :func:`raise_disagreement`, which gathers the ranks' re
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Sequence
 from typing import Any
@@ -119,10 +120,44 @@ def describe_step(plan: CallPlan | None, error: BaseException | None, per_rank: 
     return StepRecord(OK, None, items)
 
 
+class StepDescriber:
+    """:func:`describe_step` for one wrapper, keeping the record of a call read along a skeleton by what its texts
+    are made of: the skeleton (paths, specs, which leaves are tensors), ``B``, the split, the batch axes, and each
+    leaf's type (a tensor's shape, dtype and ``requires_grad``). An ordinary step then neither writes a text per
+    leaf nor hashes them; the key holds no tensor."""
+
+    _KEEP = 64  # records kept (a workload of many shapes starts afresh rather than growing)
+
+    def __init__(self, per_rank: bool, hash_values: bool) -> None:
+        self.per_rank, self.hash_values = per_rank, hash_values
+        self._kept: dict[tuple, tuple[dict[str, str], int]] = {}
+
+    def __call__(self, plan: CallPlan | None, error: BaseException | None) -> StepRecord:
+        tree = None if plan is None else plan.tree
+        if tree is None or tree.split is None or tree.flat is None or self.hash_values or plan.balance is not None:
+            return describe_step(plan, error, self.per_rank, self.hash_values)
+        leaves = tuple([(v.shape, v.dtype, v.requires_grad) if type(v) is Tensor else type(v) for v in tree.flat])
+        key = (tree.skeleton, plan.batch_size, tuple(plan.sizes), tuple(tree.split[0]), leaves)
+        kept = self._kept.get(key)
+        if kept is not None:
+            return StepRecord(OK, None, kept[0], kept[1])
+        record = describe_step(plan, error, self.per_rank, self.hash_values)
+        if len(self._kept) >= self._KEEP:
+            self._kept.clear()
+        self._kept[key] = (record.items, record.fp)
+        return record
+
+
 def chain_row(records: Sequence[StepRecord]) -> list[int]:
     """``(status, fingerprint, forwards)`` of the forwards since the last check: what one rank contributes."""
     status = max((r.status for r in records), default=OK)
-    return [status, fingerprint([r.fp for r in records]), len(records)]
+    return [status, chain_fingerprint(tuple([r.fp for r in records])), len(records)]
+
+
+@functools.lru_cache(maxsize=256)
+def chain_fingerprint(fps: tuple[int, ...]) -> int:
+    """The fingerprint of a chain of records' fingerprints (a step's chain is most often the last step's)."""
+    return fingerprint(list(fps))
 
 
 def rows_agree(rows: Sequence[Sequence[int]]) -> bool:

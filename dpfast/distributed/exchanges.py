@@ -100,23 +100,21 @@ class AverageInputGrads(torch.autograd.Function):
 
 def through_input_grads(tree: Any, group: RankGroup, average: bool) -> dict:
     """The call's tensor inputs that require grad, seen through one node that averages (``average``: the global
-    batch with ``gather_outputs``) or scales their gradients; maps each such leaf (by ``id``) to its view.
+    batch with ``gather_outputs``) or scales their gradients; maps each such leaf (by its position among the call's
+    leaves) to its view.
 
     Only leaf tensors are scaled: the gradient of an input computed by an earlier call (a recurrent state fed back)
     flows on into that call's graph, where DDP's averaging already accounts for it."""
-    leaves = [
-        leaf
-        for leaf in tree.leaves
-        if isinstance(leaf.value, Tensor) and leaf.value.requires_grad and (average or leaf.value.is_leaf)
-    ]
-    if not leaves:
+    flat = tree.flat if tree.flat is not None else [leaf.value for leaf in tree.leaves]
+    where = [i for i, v in enumerate(flat) if isinstance(v, Tensor) and v.requires_grad and (average or v.is_leaf)]
+    if not where:
         return {}
-    values = [leaf.value for leaf in leaves]
+    values = [flat[i] for i in where]
     if average:
         views = AverageInputGrads.apply(group.process_group, group.world, group.comm_device, *values)
     else:
         views = ScaleGrad.apply(1.0 / group.world, *values)
-    return {id(leaf): v for leaf, v in zip(leaves, views)}
+    return dict(zip(where, views))
 
 
 @dataclasses.dataclass

@@ -48,7 +48,7 @@ from ..plan.call_plan import CallPlan, plan_call
 from ..plan.errors import ScatterError
 from ..run.collectives import observe_process_group_collectives
 from ..trees.specs import Spec
-from .agreement import EMPTY_REFUSED, GHOST_COUNTED, OK, StepRecord, describe_step
+from .agreement import EMPTY_REFUSED, GHOST_COUNTED, OK, StepDescriber, StepRecord
 from .bucket_check import BucketCheck, NativeBucketCheck, native_hook_available
 from .checks import StepChecks
 from .ddp_overrides import KeepingStepOverrides, _ShareRefused
@@ -157,6 +157,7 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
         comm = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
         self._group = RankGroup(self.process_group, self._rank, self._world, comm)
         self._checks = StepChecks(self._group, enabled=bool(check_batch))
+        self._describe = StepDescriber(inputs == "per_rank", check_batch == "values")
         self._bucket_check: BucketCheck | NativeBucketCheck | None = None
         if check_batch and not self.gather_outputs:
             c = self._checks
@@ -233,7 +234,7 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
             self._bucket_check.read_deferred()  # CUDA: the last backward's check
         plan, error = self._plan(inputs, kwargs)
         if self.check_batch:
-            record = describe_step(plan, error, self.inputs == "per_rank", self.check_batch == "values")
+            record = self._describe(plan, error)
         else:
             record = StepRecord(OK, error, {})
         self._checks.begin(record)  # the first call is checked here, before anything runs (raises on every rank)
@@ -368,7 +369,9 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
 
 def _first_with_rows(plan: CallPlan) -> int:
     """The first rank with rows (DDP's buffers come from it at the next forward); 0 when nothing was split."""
-    return plan.replicas[0][0] if plan.mode == "split" else 0
+    if plan.mode != "split":
+        return 0
+    return next(i for i, s in enumerate(plan.sizes) if s > 0)
 
 
 def _per_rank_share(rank: int, rows: Sequence[int]) -> Share:

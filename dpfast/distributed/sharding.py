@@ -55,11 +55,10 @@ def take_rows(
 
     Tensors are narrowed (a view when the axis is 0, else made contiguous); PackedSequences are split by sequence in
     the caller's order with the code ``DataParallel`` uses. Everything else, spec ``None`` included, is passed as
-    given. ``subs`` maps a leaf (by ``id``) to the value to use instead (DDP: the input seen through the node that
-    averages input gradients).
+    given. ``subs`` maps a leaf (by its position among the call's leaves) to the value to use instead (DDP: the
+    input seen through the node that averages input gradients).
     """
-    subs = subs or {}
-    values = [subs.get(id(leaf), leaf.value) for leaf in tree.leaves]
+    values = _leaf_values(tree, subs)
     for m in mapped:
         value = values[m.index]
         if m.is_packed:
@@ -80,6 +79,30 @@ def take_rows(
         else:
             v = value.narrow(m.axis, start, length)
             values[m.index] = v if m.axis == 0 else v.contiguous()
+    return tree.rebuild(values)
+
+
+def _leaf_values(tree: BoundArguments, subs: dict | None) -> list:
+    """The call's leaf values in order (a tree read along a skeleton holds them without Leaf records), with
+    ``subs`` in place."""
+    values = list(tree.flat) if tree.flat is not None else [leaf.value for leaf in tree.leaves]
+    for i, v in (subs or {}).items():
+        values[i] = v
+    return values
+
+
+def cut_rows(plan: CallPlan, start: int, length: int, subs: dict | None = None) -> tuple[tuple, dict]:
+    """:func:`take_rows` of a planned call. A call read along the last call's skeleton splits plain dense tensors
+    only, which it cuts from planning's marks without making a Leaf record per leaf (the same views)."""
+    tree = plan.tree
+    if tree.split is None or tree.skeleton is None:
+        return take_rows(tree, plan.mapped, start, length, subs)
+    values = _leaf_values(tree, subs)
+    axes, _ = tree.split
+    for i, axis in zip(tree.skeleton.tensors, axes):
+        if axis >= 0:
+            v = values[i].narrow(axis, start, length)
+            values[i] = v if axis == 0 else v.contiguous()
     return tree.rebuild(values)
 
 
@@ -120,12 +143,12 @@ def rank_call(
     start, stop = plan.share(rank)
     share = Share(rank, world, plan.batch_size, tuple(plan.sizes), start, stop)
     if stop > start:
-        return RankCall(*take_rows(plan.tree, plan.mapped, start, stop - start, subs), share)
+        return RankCall(*cut_rows(plan, start, stop - start, subs), share)
     try:
-        empty = take_rows(plan.tree, plan.mapped, start, 0, subs)
+        empty = cut_rows(plan, start, 0, subs)
     except ValueError:  # a PackedSequence or jagged tensor cannot hold zero samples: straight to the ghost
         empty = None
-    ghost = EmptyShare(empty, lambda: move(*take_rows(plan.tree, plan.mapped, 0, 1, subs)))
+    ghost = EmptyShare(empty, lambda: move(*cut_rows(plan, 0, 1, subs)))
     return RankCall(*(empty or (inputs, kwargs)), share, None, ghost)
 
 
@@ -263,5 +286,5 @@ def shard_batch(
     if plan.batch_size is None:
         return batch
     start, stop = plan.share(rank)
-    args, _ = take_rows(plan.tree, plan.mapped, start, stop - start)
+    args, _ = cut_rows(plan, start, stop - start)
     return args[0]

@@ -1,0 +1,159 @@
+"""What DistributedDataParallel's checks compare, for calls read along a kept skeleton: the step record
+(dpfast.distributed.agreement.StepDescriber keeps it by what its texts are made of) and this rank's rows
+(dpfast.distributed.sharding.cut_rows cuts them from planning's marks). Both must be exactly what the full walk
+gives: a kept record is never served for a call whose shapes, dtypes, requires_grad, split or structure differ.
+Planned without a process group (the planning stage is the same), against a fresh Binding that walks in full."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dpfast.distributed.agreement import StepDescriber, describe_step
+from dpfast.distributed.exchanges import RankGroup, through_input_grads
+from dpfast.distributed.sharding import cut_rows, take_rows
+from dpfast.ext.loader import LOADED
+from dpfast.plan.call_plan import plan_call
+from dpfast.trees.binding import Binding
+
+pytestmark = pytest.mark.skipif(not LOADED, reason="the skeleton path needs the compiled extension")
+
+
+def _forward(x, h=None, *, mask=None, scale=1.0):
+    return x
+
+
+IN_DIMS = {"h": 1, "mask": None}
+
+
+def _call(batch: int, width: int, dtype: torch.dtype, grad: bool, with_h: bool, mask: bool, scale: object):
+    x = torch.randn(batch, width).to(dtype).requires_grad_(grad and dtype.is_floating_point)
+    args: tuple = (x, torch.randn(2, batch, 3)) if with_h else (x,)
+    kwargs: dict = {"scale": scale}
+    if mask:
+        kwargs["mask"] = torch.ones(batch, dtype=torch.bool)
+    return args, kwargs
+
+
+calls = st.tuples(
+    st.integers(1, 9),  # B
+    st.integers(1, 4),  # width
+    st.sampled_from([torch.float32, torch.float64, torch.int64]),
+    st.booleans(),  # requires_grad
+    st.booleans(),  # h given
+    st.booleans(),  # mask given
+    st.sampled_from([1.0, 2, None]),  # an atom of another type
+)
+
+
+def _full_plan(args, kwargs, parts):
+    """The plan a fresh binding makes: the full walk, one Leaf record per leaf."""
+    plan = plan_call(Binding(_forward, IN_DIMS, 0), args, kwargs, parts)
+    assert plan.tree.flat is None
+    return plan
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(calls, min_size=3, max_size=12), st.sampled_from([2, 3]), st.booleans())
+def test_a_kept_record_is_the_full_walks_record(sequence, parts, per_rank):
+    """A warmed describer's record (items and fingerprint) equals describe_step of the full walk, call by call."""
+    binding = Binding(_forward, IN_DIMS, 0)
+    describe = StepDescriber(per_rank, hash_values=False)
+    read_along = 0
+    # each call 3 times (a structure seen twice in a row is read along its skeleton after), and the whole sequence
+    # again (records kept)
+    for call in [c for c in sequence for _ in range(3)] * 2:
+        args, kwargs = _call(*call)
+        plan = plan_call(binding, args, kwargs, parts)
+        read_along += plan.tree.flat is not None
+        got = describe(plan, None)
+        want = describe_step(_full_plan(args, kwargs, parts), None, per_rank, False)
+        assert got.items == want.items
+        assert got.fp == want.fp
+        assert got.status == want.status
+    assert read_along > 0  # the skeleton path was taken
+
+
+def test_a_changed_leaf_changes_the_record():
+    """Each thing a record says about a leaf, changed alone, gives another fingerprint (the kept key has it)."""
+    binding = Binding(_forward, IN_DIMS, 0)
+    describe = StepDescriber(False, hash_values=False)
+    base = (4, 3, torch.float32, False, True, True, 1.0)
+    changes = {
+        "B": (6, 3, torch.float32, False, True, True, 1.0),
+        "shape": (4, 5, torch.float32, False, True, True, 1.0),
+        "dtype": (4, 3, torch.float64, False, True, True, 1.0),
+        "requires_grad": (4, 3, torch.float32, True, True, True, 1.0),
+        "atom type": (4, 3, torch.float32, False, True, True, 2),
+    }
+    for _ in range(3):
+        plan = plan_call(binding, *_call(*base), 2)
+        first = describe(plan, None)
+    assert plan.tree.flat is not None
+    for what, call in changes.items():
+        for _ in range(3):  # kept, then read along the same skeleton
+            plan = plan_call(binding, *_call(*call), 2)
+            record = describe(plan, None)
+        assert plan.tree.flat is not None, what
+        assert record.fp != first.fp, what
+        plan = plan_call(binding, *_call(*base), 2)
+        assert describe(plan, None).fp == first.fp, what
+
+
+def test_values_hashing_is_never_kept():
+    """check_batch="values" hashes the split tensors' bytes: every call is described afresh."""
+    binding = Binding(_forward, IN_DIMS, 0)
+    describe = StepDescriber(False, hash_values=True)
+    fps = set()
+    for _ in range(4):
+        args, kwargs = _call(4, 3, torch.float32, False, False, False, 1.0)
+        fps.add(describe(plan_call(binding, args, kwargs, 2), None).fp)
+    assert len(fps) == 4  # randn: other bytes every call
+
+
+def _same_views(a, b):
+    assert type(a) is type(b)
+    if isinstance(a, torch.Tensor):
+        assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+        assert a._is_view() == b._is_view()
+        if a._is_view():  # a view of the same input (a batch axis other than 0 is a contiguous copy)
+            assert a.data_ptr() == b.data_ptr() or a.numel() == 0
+        assert a.requires_grad == b.requires_grad and (a.grad_fn is None) == (b.grad_fn is None)
+        assert torch.equal(a, b)
+    elif isinstance(a, (tuple, list)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _same_views(x, y)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            _same_views(a[k], b[k])
+    else:
+        assert a == b
+
+
+@settings(max_examples=40, deadline=None)
+@given(calls, st.sampled_from([2, 3]), st.booleans())
+def test_cut_rows_along_a_skeleton_equals_take_rows(call, parts, grads):
+    """Every rank's rows (an empty share too) from planning's marks: the same views take_rows makes from the Leaf
+    records of the full walk, with the input-gradient node's views in place."""
+    binding = Binding(_forward, IN_DIMS, 0)
+    args, kwargs = _call(*call)
+    for _ in range(3):
+        plan = plan_call(binding, args, kwargs, parts)
+    assert plan.tree.flat is not None
+    full = _full_plan(args, kwargs, parts)
+    group = RankGroup(None, 0, parts, torch.device("cpu"))
+    for rank in range(parts):
+        start, stop = plan.share(rank)
+        if grads:
+            subs = through_input_grads(plan.tree, group, False)
+            full_subs = {i: subs[i] for i in through_input_grads(full.tree, group, False)}
+            assert list(full_subs) == list(subs)
+        else:
+            subs = full_subs = {}
+        got = cut_rows(plan, start, stop - start, subs)
+        want = take_rows(full.tree, full.mapped, start, stop - start, full_subs)
+        _same_views(got, want)

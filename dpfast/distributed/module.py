@@ -233,10 +233,7 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
         if self._bucket_check is not None:
             self._bucket_check.read_deferred()  # CUDA: the last backward's check
         plan, error = self._plan(inputs, kwargs)
-        if self.check_batch:
-            record = self._describe(plan, error)
-        else:
-            record = StepRecord(OK, error, {})
+        record = self._describe(plan, error) if self.check_batch else StepRecord(OK, error, {})
         self._checks.begin(record)  # the first call is checked here, before anything runs (raises on every rank)
         if error is not None:
             if not self.check_batch:

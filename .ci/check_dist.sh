@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The sdist and the wheel, as a user installs them: `make dist` (the sdist, then the wheel built from the sdist
-# alone, with TORCH_CUDA_ARCH_LIST unset: the default architecture list); the wheel installed with its extras in a
+# alone, for DIST_CUDA_ARCH_LIST's architectures: unset, torch's whole list); the wheel installed with its extras in a
 # fresh venv, where pip resolves torch against the wheel's pin; then, from outside any source tree, the test suite
 # (the sdist's copy), `python -m dpfast info`, `demo` and `bench`, all against the installed package.
 #   PY: the dev venv's python (makes the dist); PYTHON: the interpreter for the fresh venv.

@@ -122,9 +122,10 @@ def describe_step(plan: CallPlan | None, error: BaseException | None, per_rank: 
 
 class StepDescriber:
     """:func:`describe_step` for one wrapper, keeping the record of a call read along a skeleton by what its texts
-    are made of: the skeleton (paths, specs, which leaves are tensors), ``B``, the split, the batch axes, and each
-    leaf's type (a tensor's shape, dtype and ``requires_grad``). An ordinary step then neither writes a text per
-    leaf nor hashes them; the key holds no tensor."""
+    are made of: the skeleton (paths, specs, which leaves are tensors and every other leaf's type: a call is read
+    along it only when they match), ``B``, the split, and each tensor's shape, dtype and ``requires_grad`` (its
+    batch axis follows from its spec and shape). An ordinary step then neither writes a text per leaf nor hashes
+    them; the key holds no tensor."""
 
     _KEEP = 64  # records kept (a workload of many shapes starts afresh rather than growing)
 
@@ -136,8 +137,8 @@ class StepDescriber:
         tree = None if plan is None else plan.tree
         if tree is None or tree.split is None or tree.flat is None or self.hash_values or plan.balance is not None:
             return describe_step(plan, error, self.per_rank, self.hash_values)
-        leaves = tuple([(v.shape, v.dtype, v.requires_grad) if type(v) is Tensor else type(v) for v in tree.flat])
-        key = (tree.skeleton, plan.batch_size, tuple(plan.sizes), tuple(tree.split[0]), leaves)
+        skeleton = tree.skeleton
+        key = (skeleton, plan.batch_size, tuple(plan.sizes), _tensor_facts(tree.flat, skeleton.tensors))
         kept = self._kept.get(key)
         if kept is not None:
             return StepRecord(OK, None, kept[0], kept[1])
@@ -146,6 +147,19 @@ class StepDescriber:
             self._kept.clear()
         self._kept[key] = (record.items, record.fp)
         return record
+
+
+def _tensor_facts(values: Sequence[Any], where: Sequence[int]) -> tuple:
+    """The sizes, dtype and ``requires_grad`` of the tensors at ``where``, in one flat tuple (no object per leaf
+    outlives the call); each dtype ends a tensor's sizes, so it decodes one way."""
+    facts: list = []
+    extend, append = facts.extend, facts.append
+    for i in where:
+        v = values[i]
+        extend(v.shape)
+        append(v.dtype)
+        append(v.requires_grad)
+    return tuple(facts)
 
 
 def chain_row(records: Sequence[StepRecord]) -> list[int]:

@@ -366,9 +366,7 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
 
 def _first_with_rows(plan: CallPlan) -> int:
     """The first rank with rows (DDP's buffers come from it at the next forward); 0 when nothing was split."""
-    if plan.mode != "split":
-        return 0
-    return next(i for i, s in enumerate(plan.sizes) if s > 0)
+    return plan.replicas[0][0] if plan.mode == "split" else 0
 
 
 def _per_rank_share(rank: int, rows: Sequence[int]) -> Share:

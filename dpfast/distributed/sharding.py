@@ -77,8 +77,7 @@ def take_rows(
             parts = [n for n in (start, length, m.size - start - length) if n]
             values[m.index] = scatter_jagged(value, parts, [value.device] * len(parts))[1 if start else 0]
         else:
-            v = value.narrow(m.axis, start, length)
-            values[m.index] = v if m.axis == 0 else v.contiguous()
+            values[m.index] = _narrowed(value, m.axis, start, length)
     return tree.rebuild(values)
 
 
@@ -101,9 +100,14 @@ def cut_rows(plan: CallPlan, start: int, length: int, subs: dict | None = None) 
     axes, _ = tree.split
     for i, axis in zip(tree.skeleton.tensors, axes):
         if axis >= 0:
-            v = values[i].narrow(axis, start, length)
-            values[i] = v if axis == 0 else v.contiguous()
+            values[i] = _narrowed(values[i], axis, start, length)
     return tree.rebuild(values)
+
+
+def _narrowed(t: torch.Tensor, axis: int, start: int, length: int) -> torch.Tensor:
+    """Rows ``start:start+length`` of ``t`` along ``axis``: a view along axis 0, else a contiguous copy."""
+    v = t.narrow(axis, start, length)
+    return v if axis == 0 else v.contiguous()
 
 
 @dataclasses.dataclass

@@ -126,6 +126,19 @@ def test_a_repeated_structure_is_read_along_its_skeleton():
     _same(dp(value), fresh(value))
 
 
+def test_a_kept_plans_sizes_are_its_own():
+    """The split of a kept structure is remembered per ``B``: a plan's ``sizes`` changed by its reader must not
+    reach the next call's plan."""
+    dp, x = _dp(n=3), torch.randn(7, 2)
+    _warm(dp, x)
+    plan = dp.plan(x)
+    assert plan.tree.flat is not None and plan.sizes == [3, 2, 2]
+    plan.sizes[0] = 99
+    again = dp.plan(x)
+    assert again.sizes == [3, 2, 2] and again.sizes is not plan.sizes
+    _same(dp(x), (x,))
+
+
 def test_mixed_leaves_and_keywords_along_the_skeleton():
     x, h, mask = torch.randn(6, 3, dtype=torch.float64), torch.randn(2, 6, 4, dtype=torch.float64), torch.ones(6, 6)
     make = lambda: _dp(Scale(), in_dims={"h": 1, "mask": None}, out_dims={"h": 1, "mask": None})  # noqa: E731

@@ -2,7 +2,7 @@
 
 Every rank must issue the same collectives in a step (:mod:`dpfast.distributed.checks`): DDP's gradient
 all-reduce, and those the module calls in forward (``dpfast.nn.SyncBatchNorm``, ``dpfast.all_gather``...).
-:class:`CollectiveLog` observes the latter (through :func:`dpfast.run.collectives.observe_process_group_collectives`)
+:class:`CollectiveLog` observes the latter (it is a :class:`dpfast.run.collectives.observe_process_group_collectives`)
 so that a rank that cannot run its module can :func:`replay` them with nothing to contribute.
 
 A rank with no rows runs an **empty share** (``B = 0`` along every mapped axis: Linear, convolutions, LSTM/GRU,
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..run.collectives import all_gather, all_reduce
+from ..run.collectives import all_gather, all_reduce, observe_process_group_collectives
 from ..trees.flatten import unflatten
 from ..trees.specs import Leaf, Spec, match_spec
 from .agreement import EMPTY_REFUSED, GHOST_COUNTED, OK, error_line
@@ -38,10 +38,12 @@ from .exchanges import ZeroOut
 Entry = tuple  # (kind, dim or op, shape, dtype, device) of one collective
 
 
-class CollectiveLog:
-    """The process-group collectives of one forward, in order (see the module docstring)."""
+class CollectiveLog(observe_process_group_collectives):
+    """The process-group collectives of one forward, in order (see the module docstring); ``with log:`` observes
+    them (one object a forward, not a log and an observer)."""
 
     def __init__(self, keep_results: bool = False) -> None:
+        super().__init__(self)
         self.entries: list[Entry] = []
         self.keep_results = keep_results  # a rank without rows: a ghost may need them
         self.results: list[Tensor] = []

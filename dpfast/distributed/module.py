@@ -46,7 +46,6 @@ from torch.distributed.utils import _to_kwargs
 
 from ..plan.call_plan import CallPlan, plan_call
 from ..plan.errors import ScatterError
-from ..run.collectives import observe_process_group_collectives
 from ..trees.specs import Spec
 from .agreement import EMPTY_REFUSED, GHOST_COUNTED, OK, StepDescriber, StepRecord
 from .bucket_check import BucketCheck, NativeBucketCheck, native_hook_available
@@ -240,10 +239,10 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
                 raise error
             return self._keep_step(record, ran_forward=False)
         args, kw = self._take_share(plan, inputs, kwargs)
-        self._call.log = CollectiveLog(keep_results=self._call.empty is not None)
+        log = self._call.log = CollectiveLog(keep_results=self._call.empty is not None)
         self._call.ghost_error = None
         try:
-            with observe_process_group_collectives(self._call.log):
+            with log:
                 outputs = super().forward(*args, **kw)
         except _ShareRefused as refused:
             record.fail(EMPTY_REFUSED, refused.error)

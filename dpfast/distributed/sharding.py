@@ -7,6 +7,7 @@ and :func:`shard_dataset` are the public helpers for per-rank loading.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -144,8 +145,8 @@ def rank_call(
     if plan.mode != "split":  # nothing to split, or B == 0: every rank runs the whole input; rank 0's counts
         args, kw = take_rows(plan.tree, [], 0, 0, subs) if subs else (inputs, kwargs)
         return RankCall(args, kw, Share(rank, world, plan.batch_size, (), 0, plan.batch_size or 0))
-    start, stop = plan.share(rank)
-    share = Share(rank, world, plan.batch_size, tuple(plan.sizes), start, stop)
+    share = _share_of(rank, world, plan.batch_size, tuple(plan.sizes))
+    start, stop = share.start, share.stop
     if stop > start:
         return RankCall(*cut_rows(plan, start, stop - start, subs), share)
     try:
@@ -154,6 +155,13 @@ def rank_call(
         empty = None
     ghost = EmptyShare(empty, lambda: move(*cut_rows(plan, 0, 1, subs)))
     return RankCall(*(empty or (inputs, kwargs)), share, None, ghost)
+
+
+@functools.lru_cache(maxsize=256)
+def _share_of(rank: int, world: int, batch: int, sizes: tuple[int, ...]) -> Share:
+    """Rank ``rank``'s :class:`Share` of ``sizes`` (remembered: a training loop splits the same way every step)."""
+    start = sum(sizes[:rank])
+    return Share(rank, world, batch, sizes, start, start + sizes[rank])
 
 
 def _rank_world(rank: int | None, world_size: int | None, group=None) -> tuple[int, int]:

@@ -16,6 +16,7 @@ of evening out counts (:func:`~dpfast.plan.splits.balanced_split`); the costs ar
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter
 from collections.abc import Sequence
 from fractions import Fraction
@@ -295,7 +296,14 @@ def _plan_again(
         return True
     batch, axes, _ = facts
     tree.mark_split(axes, batch)
-    return CallPlan("split", tree, None, batch, split_sizes(batch, parts, weights), devices, output_device)
+    sizes = _kept_sizes(batch, parts, None if weights is None else tuple(weights))
+    return CallPlan("split", tree, None, batch, list(sizes), devices, output_device)
+
+
+@functools.lru_cache(maxsize=256)
+def _kept_sizes(batch: int, parts: int, weights: tuple[Fraction, ...] | None) -> tuple[int, ...]:
+    """:func:`split_sizes`, remembered: a training loop splits the same ``B`` over the same parts every step."""
+    return tuple(split_sizes(batch, parts, weights))
 
 
 def passthrough_plan(forward: Callable, args: Sequence[Any], kwargs: dict[str, Any]) -> CallPlan:

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from torch import Tensor
 
 from .containers import LEAF, TreeDef
-from .flatten import read_along, skeleton_of, unflatten_from
+from .flatten import Skeleton, read_along, skeleton_of, unflatten_from
 from .specs import ITEMS, Leaf, Spec, Walk, is_int, is_leaf_spec, path_text, validate_spec
 
 
@@ -322,6 +322,10 @@ class BoundArguments:
     def rebuild(self, new_leaves: Sequence[Any], own_caches: bool = False) -> tuple[tuple, dict]:
         """The call's ``(args, kwargs)`` with the leaves replaced by ``new_leaves`` (same order); ``own_caches``
         makes every KV cache a new object (a replica's own, see :func:`~dpfast.trees.flatten.unflatten_from`)."""
+        skeleton = self.skeleton
+        if skeleton is not None and skeleton.flat:  # every argument is one leaf: nothing to unflatten
+            n = self.n_args
+            return tuple(new_leaves[:n]), dict(zip(self.kw_keys, new_leaves[n:]))
         it = iter(new_leaves)
         values = [unflatten_from(d, it, own_caches) for d in self.arg_defs]
         return tuple(values[: self.n_args]), dict(zip(self.kw_keys, values[self.n_args :]))
@@ -334,10 +338,11 @@ class CallSkeleton:
     structure get the very same specs, so the next call is read without walking them (:meth:`BoundArguments.again`);
     what planning checks of the values themselves (types, shapes, devices) it checks again on every call."""
 
-    __slots__ = ("n_args", "kw_keys", "args", "arg_names", "leaves", "tensors", "specs", "_named")
+    __slots__ = ("n_args", "kw_keys", "args", "arg_names", "leaves", "tensors", "specs", "_named", "flat")
 
     def __init__(self, tree: BoundArguments, args: list):
         self.n_args, self.kw_keys, self.args, self.arg_names = tree.n_args, tree.kw_keys, args, tree.arg_names
+        self.flat = not any(type(code) is Skeleton for code in args)  # every argument is one leaf (model(x))
         self.leaves = [(leaf._where, leaf.spec, leaf.explicit, leaf.arg) for leaf in tree.leaves]
         self._named = False  # whether the paths in `leaves` are text yet (see named)
         self.tensors = [leaf.index for leaf in tree.leaves if type(leaf.value) is Tensor]  # positions among leaves

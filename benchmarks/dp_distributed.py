@@ -24,12 +24,12 @@ DDP reducer runs through torch's Python default comm hook, so that the counter s
 
 **Many tensors.** One forward (under ``no_grad``) of a list of ``TINY`` = 10,000 tensors ``(8, 2)`` through a module
 that scales each by one weight: ``dpfast many`` is given the global list (each rank keeps its 4 rows of every
-tensor), ``torch many`` (torch's DDP) this rank's rows, sliced beforehand. Target: ``dpfast many`` <= 1.0x.
+tensor), ``torch many`` (torch's DDP) this rank's rows, sliced beforehand. Target: ``dpfast many`` <= 1.0x. Beside
+them, each with its own counterpart: ``torch many, cut in the call`` (torch's DDP given the rows a torch user who
+holds the global list slices in the step, ``x[start:stop]`` each) against ``dpfast many``, and ``dpfast many
+per-rank`` (``inputs="per_rank"``, given this rank's rows, sliced beforehand) against ``torch many``.
 
-**Balance.** Long-tailed per-sample costs (token counts), 4 ranks, 16 samples per rank and step: the slowest rank's
-cost over the mean rank's, per step, with ``torch.utils.data.DistributedSampler`` (+ ``BatchSampler``) against
-``dpfast.distributed.BalancedBatchSampler`` (global batches of 64), for a shuffled dataset and a length-bucketed
-one; and the epoch's cost when every step waits for its slowest rank.
+**Balance.** Per-rank loading's samplers: :mod:`dp_rank_balance`.
 """
 
 from __future__ import annotations
@@ -48,11 +48,12 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from dp_rank_balance import run_balance
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import dpfast
-from dpfast.distributed import BalancedBatchSampler, shard_range
+from dpfast.distributed import shard_range
 from dpfast.distributed.bucket_check import NativeBucketCheck
 
 WORLD, BATCH = 2, 64
@@ -148,8 +149,10 @@ def _many_tensors(n: int) -> dict:
     mine = shard_range(8, rank, world)
     shard = [x[mine.start : mine.stop] for x in xs]
     torch_ddp, ours = nn.parallel.DistributedDataParallel(_ScaleEach()), dpfast.DistributedDataParallel(_ScaleEach())
+    per_rank = dpfast.DistributedDataParallel(_ScaleEach(), inputs="per_rank")
     with torch.no_grad():  # the same result, or the row means nothing
         assert all(torch.equal(a, b) for a, b in zip(ours(xs), torch_ddp(shard)))
+        assert all(torch.equal(a, b) for a, b in zip(per_rank(shard), torch_ddp(shard)))
 
     def call(model, inputs):
         def run():
@@ -158,7 +161,23 @@ def _many_tensors(n: int) -> dict:
 
         return run
 
-    return {"torch many": call(torch_ddp, shard), "dpfast many": call(ours, xs)}
+    def cut_in_call():
+        with torch.no_grad():
+            torch_ddp([x[mine.start : mine.stop] for x in xs])
+
+    return {
+        "torch many": call(torch_ddp, shard),
+        "dpfast many": call(ours, xs),
+        "torch many, cut in the call": cut_in_call,
+        "dpfast many per-rank": call(per_rank, shard),
+    }
+
+
+MANY_RATIOS = [
+    ("dpfast many", "torch many"),
+    ("dpfast many", "torch many, cut in the call"),
+    ("dpfast many per-rank", "torch many"),
+]
 
 
 def _timed(variants: dict, budget_s: float, rounds: int) -> dict:
@@ -293,66 +312,9 @@ def run_steps(budget_s: float, rounds: int, tiny: int = TINY) -> dict:
         "many tensors": {
             "tensors": tiny,
             "seconds": {k: statistics.median(v) for k, v in many.items()},
-            "dpfast many/torch many": statistics.median(p / q for p, q in zip(many["dpfast many"], many["torch many"])),
+            **{f"{a}/{b}": statistics.median(p / q for p, q in zip(many[a], many[b])) for a, b in MANY_RATIOS},
         },
     }
-
-
-def _token_counts(n: int, seed: int = 0) -> torch.Tensor:
-    """Long-tailed sequence lengths (log-normal, median about 55 tokens, a tail to 2048)."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.exp(4.0 + 0.9 * torch.randn(n, generator=g)).long().clamp(1, 2048)
-
-
-def _bucketed(costs: torch.Tensor, chunk: int, seed: int = 0) -> torch.Tensor:
-    """A length-bucketed order: sorted by length within chunks of ``chunk`` samples, the chunks shuffled."""
-    g = torch.Generator().manual_seed(seed)
-    order = torch.randperm(len(costs), generator=g)
-    chunks = [c[torch.argsort(costs[c])] for c in order.split(chunk)]
-    return torch.cat([chunks[i] for i in torch.randperm(len(chunks), generator=g).tolist()])
-
-
-def _step_shares(batches_per_rank: list, costs: torch.Tensor) -> list[list[int]]:
-    return [[int(costs[b].sum()) for b in step] for step in zip(*batches_per_rank)]
-
-
-def _summary(steps: list[list[int]]) -> dict:
-    slow = sorted(max(s) / (sum(s) / len(s)) for s in steps)
-    return {
-        "slowest/mean (mean over steps)": statistics.fmean(slow),
-        "slowest/mean (p95)": slow[int(0.95 * (len(slow) - 1))],
-        "epoch cost (sum of slowest)": sum(max(s) for s in steps),
-    }
-
-
-def run_balance(world: int = 4, per_rank: int = 16, n: int = 16384) -> dict:
-    """DistributedSampler against BalancedBatchSampler on shuffled and length-bucketed long-tailed costs."""
-    rows = {}
-    for order_name in ("shuffled", "length-bucketed"):
-        costs = _token_counts(n)
-        if order_name == "length-bucketed":
-            costs = costs[_bucketed(costs, 50 * world * per_rank)]
-        shuffle = order_name == "shuffled"
-        dataset = list(range(n))
-        theirs = [
-            list(
-                torch.utils.data.BatchSampler(
-                    torch.utils.data.DistributedSampler(dataset, world, r, shuffle=shuffle, seed=0), per_rank, True
-                )
-            )
-            for r in range(world)
-        ]
-        ours = [
-            list(BalancedBatchSampler(costs, world * per_rank, r, world, shuffle=shuffle, seed=0, drop_last=True))
-            for r in range(world)
-        ]
-        a, b = _summary(_step_shares(theirs, costs)), _summary(_step_shares(ours, costs))
-        rows[order_name] = {
-            "DistributedSampler": a,
-            "BalancedBatchSampler": b,
-            "epoch cost ratio": b["epoch cost (sum of slowest)"] / a["epoch cost (sum of slowest)"],
-        }
-    return {"world": world, "per_rank_batch": per_rank, "samples": n, "rows": rows}
 
 
 def run_ddp(quick: bool, budget_s: float, rounds: int) -> dict:
@@ -385,12 +347,13 @@ def print_ddp(result: dict) -> None:
         ratio = one["ratios"].get(f"{name}/torch")
         print(f"{name:<24} {1e3 * sec:>10.3f}  {'' if ratio is None else f'{ratio:.3f}'}")
     m = s["many tensors"]
-    sec, r = m["seconds"], m["dpfast many/torch many"]
-    print(
-        f"\n{m['tensors']} tensors (8, 2), one forward under no_grad: dpfast {1e3 * sec['dpfast many']:.1f} ms "
-        f"({1e6 * sec['dpfast many'] / m['tensors']:.1f} µs a tensor), torch's DDP {1e3 * sec['torch many']:.1f} ms; "
-        f"dpfast/torch {r:.3f}, target <= 1.0: {'met' if r <= 1.0 else 'NOT met'}"
-    )
+    sec = m["seconds"]
+    print(f"\n{m['tensors']} tensors (8, 2), one forward under no_grad, ms (µs a tensor)")
+    for name, t in sec.items():
+        print(f"{name:<30} {1e3 * t:>8.1f}  ({1e6 * t / m['tensors']:.1f})")
+    for a, b in MANY_RATIOS:
+        r = m[f"{a}/{b}"]
+        print(f"{a + ' / ' + b:<58} {r:>6.3f}   target <= 1.0: {'met' if r <= 1.0 else 'NOT met'}")
     b = result["balance"]
     print(
         f"\nPer-rank loading, {b['world']} ranks x {b['per_rank_batch']} samples per step, {b['samples']} "
@@ -418,7 +381,7 @@ def plot_ddp(result: dict, path: str) -> str | None:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     ratios = {
         **result["steps"]["ratios"],
-        "dpfast many/torch many": result["steps"]["many tensors"]["dpfast many/torch many"],
+        **{f"{a}/{b}": result["steps"]["many tensors"][f"{a}/{b}"] for a, b in MANY_RATIOS},
     }
     a1.barh(list(ratios), list(ratios.values()))
     a1.axvline(1.10, color="gray", ls="--", lw=1, label="target 1.10")

@@ -1,4 +1,5 @@
-// dpfast._C._gather_many and _plain_batch: a DataParallel call's per-leaf work, in one call from Python each.
+// dpfast._C._gather_many, _plain_batch, _narrow_many and _tensor_facts: a call's per-leaf work, in one call from
+// Python each.
 //
 // Called leaf by leaf from Python, each small leaf pays a Python call, argument conversion and a result's wrapping,
 // which is most of the work for small tensors (benchmarks/RESULTS.md, "overhead").
@@ -13,7 +14,11 @@
 // (dpfast/plan/call_plan.py): whether it is a plain dense tensor on an allowed device, and its size along its
 // batch axis. Anything unusual reads as None, and planning walks the call in full.
 //
-// Both return NotImplemented under a __torch_function__ mode (which must see every tensor call Python makes).
+// _narrow_many cuts a DistributedDataParallel call's tensor leaves to this rank's rows
+// (dpfast/distributed/sharding.py), one narrow each through the dispatcher; _tensor_facts reads what keys its
+// kept step record (dpfast/distributed/agreement.py).
+//
+// All return NotImplemented under a __torch_function__ mode (which must see every tensor call Python makes).
 #include "python_many.h"
 
 #include "op_handles.h"
@@ -22,6 +27,7 @@
 
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <torch/csrc/Device.h>
+#include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -162,6 +168,12 @@ PyObject* py_gather_many(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       replicas == 0 || !plain_ints(args[1], dims) || !THPDevice_Check(args[2]) || !plain_ints(args[3], sizes)) {
     return not_implemented();
   }
+  // every column is a list or tuple of one length per leaf before anything is sized by their counts
+  for (Py_ssize_t r = 0; r < replicas; ++r) {
+    PyObject* const* items;
+    Py_ssize_t n;
+    if (!items_of(columns[r], items, n) || static_cast<size_t>(n) != dims.size()) return not_implemented();
+  }
   const c10::Device device = reinterpret_cast<THPDevice*>(args[2])->device;
   std::vector<Leaf> leaves(dims.size());
   for (size_t i = 0; i < dims.size(); ++i) {
@@ -229,11 +241,119 @@ PyObject* py_plain_batch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
+// Tensor `t` cut to rows [start, start + length) along `axis`, as dpfast/distributed/sharding.py's _narrowed does:
+// a view along axis 0, else a contiguous copy (through the dispatcher: autograd and dispatch modes see each op).
+at::Tensor narrowed(const at::Tensor& t, int64_t axis, int64_t start, int64_t length) {
+  at::Tensor v = t.narrow(axis, start, length);
+  return axis == 0 ? v : v.contiguous();
+}
+
+// _narrow_many(tensors, axes, start, length) -> list | NotImplemented
+//   tensors: a call's tensor leaves; axes: per tensor, the axis to cut (counted from the front), or -1 to pass it
+//   as it is. Every tensor with an axis cut to rows [start, start + length) there (see narrowed above), the others
+//   the very same objects. NotImplemented (the caller narrows in Python, and raises what is wrong) unless every
+//   tensor is a plain dense one, every axis is -1 or one of its tensor's, and the rows lie inside every cut tensor.
+PyObject* py_narrow_many(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  PyObject* const* items;
+  Py_ssize_t n;
+  std::vector<int64_t> axes;
+  int64_t start, length;
+  if (nargs != 4 || at::impl::torch_function_mode_enabled() || !items_of(args[0], items, n) ||
+      !plain_ints(args[1], axes) || static_cast<size_t>(n) != axes.size() || !plain_int(args[2], start) ||
+      !plain_int(args[3], length) || start < 0 || length < 0) {
+    return not_implemented();
+  }
+  // The items are borrowed: each is checked and its Tensor taken (no Python code runs) before anything allocates.
+  std::vector<at::Tensor> tensors(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!THPVariable_CheckExact(items[i])) return not_implemented();
+    tensors[static_cast<size_t>(i)] = THPVariable_Unpack(items[i]);
+  }
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    const int64_t axis = axes[i];
+    if (axis == -1) continue;
+    // start + length <= size, without overflow: both are >= 0 and size - length is compared instead
+    if (!dense(t) || axis < 0 || axis >= t.dim() || length > t.size(axis) || start > t.size(axis) - length) {
+      return not_implemented();
+    }
+  }
+  {
+    ReleaseGil nogil;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (axes[i] != -1) tensors[i] = narrowed(tensors[i], axes[i], start, length);
+    }
+  }
+  PyObject* list = PyList_New(n);
+  if (list == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* t = THPVariable_Wrap(std::move(tensors[static_cast<size_t>(i)]));  // an uncut one: its own object
+    if (t == nullptr) {
+      Py_DECREF(list);
+      return nullptr;
+    }
+    PyList_SET_ITEM(list, i, t);
+  }
+  return list;
+  END_HANDLE_TH_ERRORS
+}
+
+// _tensor_facts(tensors) -> tuple | NotImplemented
+//   Per tensor its sizes, dtype and requires_grad, in one flat tuple: what dpfast/distributed/agreement.py's
+//   _tensor_facts builds in Python (the same objects: ints, torch.dtype, bool), the key of a kept step record.
+//   NotImplemented (Python reads them itself) for anything but plain Tensors with concrete sizes.
+PyObject* py_tensor_facts(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  PyObject* const* items;
+  Py_ssize_t n;
+  if (nargs != 1 || at::impl::torch_function_mode_enabled() || !items_of(args[0], items, n)) {
+    return not_implemented();
+  }
+  // The items are borrowed: every Tensor is taken before anything allocates (the tuple is GC-tracked)
+  std::vector<at::Tensor> tensors(static_cast<size_t>(n));
+  size_t count = 0;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!THPVariable_CheckExact(items[i])) return not_implemented();
+    const at::Tensor& t = THPVariable_Unpack(items[i]);
+    if (t.is_nested() || t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) return not_implemented();
+    const auto nd = static_cast<size_t>(t.dim());
+    if (count > PY_SSIZE_T_MAX - 2 - nd) return not_implemented();  // (not reachable with real tensors)
+    count += nd + 2;
+    tensors[static_cast<size_t>(i)] = t;
+  }
+  PyObject* facts = PyTuple_New(static_cast<Py_ssize_t>(count));
+  if (facts == nullptr) return nullptr;
+  Py_ssize_t k = 0;
+  for (const at::Tensor& t : tensors) {
+    for (const int64_t size : t.sizes()) {
+      PyObject* v = PyLong_FromLongLong(size);
+      if (v == nullptr) {
+        Py_DECREF(facts);
+        return nullptr;
+      }
+      PyTuple_SET_ITEM(facts, k++, v);
+    }
+    PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()));
+    Py_INCREF(dtype);
+    PyTuple_SET_ITEM(facts, k++, dtype);
+    PyObject* grad = t.requires_grad() ? Py_True : Py_False;
+    Py_INCREF(grad);
+    PyTuple_SET_ITEM(facts, k++, grad);
+  }
+  return facts;
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef methods[] = {
     {"_gather_many", DPFAST_FASTCALL(py_gather_many),
      "the gathers of many output leaves (dpfast/move/gather.py); None for a leaf it leaves to Python"},
     {"_plain_batch", DPFAST_FASTCALL(py_plain_batch),
      "the batch size of a call's plain tensor leaves (dpfast/plan/call_plan.py); None when planning must walk"},
+    {"_narrow_many", DPFAST_FASTCALL(py_narrow_many),
+     "a call's tensor leaves cut to one rank's rows (dpfast/distributed/sharding.py); NotImplemented to decline"},
+    {"_tensor_facts", DPFAST_FASTCALL(py_tensor_facts),
+     "the sizes, dtype and requires_grad of many tensors in one tuple (dpfast/distributed/agreement.py)"},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -1,4 +1,4 @@
-// dpfast._C._gather_many and _plain_batch: a DataParallel call's per-leaf work, in one call from Python each.
+// dpfast._C._gather_many, _plain_batch, _narrow_many and _tensor_facts: a call's per-leaf work, in one call each.
 #pragma once
 
 #include <Python.h>

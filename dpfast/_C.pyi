@@ -29,8 +29,8 @@ def _balanced_bounds(
     prefix: Tensor, mult: Sequence[int], targets: Sequence[int], lo_high: int, lo_low: int, hi_high: int, hi_low: int
 ) -> list[int]: ...
 
-# A DataParallel call's per-leaf work in one call each (csrc/python_many.cpp; dpfast/move/gather.py and
-# dpfast/plan/call_plan.py take their own path for whatever these decline).
+# A call's per-leaf work in one call each (csrc/python_many.cpp; dpfast/move/gather.py, dpfast/plan/call_plan.py
+# and dpfast/distributed/ take their own path for whatever these decline).
 # (per leaf its gathered tensor or None, per leaf whether its chunks follow `sizes`, all gathered and following)
 def _gather_many(
     columns: Sequence[Sequence[Tensor]], dims: Sequence[int], device: torch.device, sizes: Sequence[int]
@@ -38,6 +38,12 @@ def _gather_many(
 
 # (B or -1, per tensor its batch axis or -1, the device index or -1), None, or NotImplemented
 def _plain_batch(tensors: Sequence[Tensor], specs: Sequence[int | None], cuda: bool) -> Any: ...
+
+# the tensors cut to rows start:start+length along their axes (-1: as they are), or NotImplemented
+def _narrow_many(tensors: Sequence[Tensor], axes: Sequence[int], start: int, length: int) -> Any: ...
+
+# per tensor its sizes, dtype and requires_grad, in one flat tuple, or NotImplemented
+def _tensor_facts(tensors: Sequence[Tensor]) -> Any: ...
 
 # DistributedDataParallel's per-step check as a C++ comm hook on DDP's reducer (csrc/ddp_check_hook.cpp;
 # dpfast/distributed/bucket_check.py holds the Python hook it stands in for). The state is an opaque capsule.

@@ -190,9 +190,11 @@ if LOADED:
         checks.check_tensors("gather", "chunks", chunks)
         return _gather(chunks, dim, device)
 
-    # DataParallel's per-leaf work in one call each (csrc/python_many.cpp); None where an older build lacks them
+    # a call's per-leaf work in one call each (csrc/python_many.cpp); None where an older build lacks them
     _fast_gather_many = getattr(_C, "_gather_many", None)
     _fast_plain_batch = getattr(_C, "_plain_batch", None)
+    _fast_narrow_many = getattr(_C, "_narrow_many", None)
+    _fast_tensor_facts = getattr(_C, "_tensor_facts", None)
 
     def _gather_many(
         columns: Sequence[Sequence[Tensor]], dims: Sequence[int], device: torch.device, sizes: Sequence[int]
@@ -218,6 +220,24 @@ if LOADED:
         if _fast_plain_batch is None or _compiling():
             return None
         out = _fast_plain_batch(tensors, specs, cuda)
+        return None if out is NotImplemented else out
+
+    def _narrow_many(tensors: Sequence[Tensor], axes: Sequence[int], start: int, length: int) -> list[Tensor] | None:
+        """Each tensor cut to rows ``start:start+length`` along ``axes[i]`` (a view along axis 0, else a contiguous
+        copy), or passed as it is where ``axes[i]`` is -1; None when the caller must narrow each itself (a
+        tensor that is not a plain dense one, rows outside a tensor, a ``__torch_function__`` mode, tracing)."""
+        if _fast_narrow_many is None or _compiling():
+            return None
+        out = _fast_narrow_many(tensors, axes, start, length)
+        return None if out is NotImplemented else out
+
+    def _tensor_facts(tensors: Sequence[Tensor]) -> tuple | None:
+        """Each tensor's sizes, then its dtype and ``requires_grad``, in one flat tuple; None when the caller must
+        read them itself (a tensor that is not a plain one, or has no concrete sizes; a ``__torch_function__``
+        mode, tracing)."""
+        if _fast_tensor_facts is None or _compiling():
+            return None
+        out = _fast_tensor_facts(tensors)
         return None if out is NotImplemented else out
 
     # ---- fake kernels: shapes, dtypes and devices only, for torch.compile / FakeTensor tracing and meta tensors.
@@ -279,6 +299,12 @@ else:
         tensors: Sequence[Tensor], specs: Sequence[int | None], cuda: bool
     ) -> tuple[int, list[int], int] | None:
         return None  # without the extension planning walks every call
+
+    def _narrow_many(tensors: Sequence[Tensor], axes: Sequence[int], start: int, length: int) -> list[Tensor] | None:
+        return None  # without the extension each tensor is narrowed in Python
+
+    def _tensor_facts(tensors: Sequence[Tensor]) -> tuple | None:
+        return None  # without the extension the facts are read in Python
 
 
 def state_to_batch_first(state: RNNState) -> RNNState:

@@ -1,14 +1,15 @@
 """A seeded fuzzer of the extension's CPython argument parsing: hostile objects inside legal-looking arguments.
 
 Each round takes one private entry point of ``dpfast._C`` or ``dpfast._C_hooks`` (the cost arithmetic, the
-kernel-walk hooks, the ops' fast path) with valid arguments, then hides a hostile object in one of them: an int
-whose ``__index__`` empties, shrinks or grows the list it sits in (or every list of the call), raises, or returns a
-number past int64; an object whose ``__class__`` claims to be a Tensor; a list subclass whose ``__iter__`` and
-``__len__`` lie. The oracle: the call gives exactly what the same call gives with a harmless object in the hostile
-one's place (the extension reads every list as it was when the call began), or the error that hook asks for
-(the exception ``__index__`` raised; a TypeError or ValueError for a number past int64 or an object that is no
-Tensor); the ops' fast path may decline with NotImplemented (dpfast.ops then goes through torch.ops). Never a
-crash: ``make sanitize`` runs it under AddressSanitizer with PYTHONMALLOC=malloc, where reading a freed object is
+kernel-walk hooks, the ops' fast path, the entry points of many leaves) with valid arguments, then hides a hostile
+object in one of them: an int whose ``__index__`` empties, shrinks or grows the list it sits in (or every list of
+the call), raises, or returns a number past int64; an object whose ``__class__`` claims to be a Tensor; a list
+subclass whose ``__iter__`` and ``__len__`` lie. The oracle: the call gives exactly what the same call gives with a
+harmless object in the hostile one's place (the extension reads every list as it was when the call began), or the
+error that hook asks for (the exception ``__index__`` raised; a TypeError or ValueError for a number past int64 or
+an object that is no Tensor); the ops' fast path and the entry points of many leaves may decline (NotImplemented,
+or None from ``_plain_batch``: dpfast.ops then goes through torch.ops, planning and the cut through Python). Never
+a crash: ``make sanitize`` runs it under AddressSanitizer with PYTHONMALLOC=malloc, where reading a freed object is
 a report.
 
     python tests/fuzz_entry_points.py --seconds 20 --seed 0
@@ -78,7 +79,8 @@ def fresh(values: list[int]) -> list[int]:
 
 def draw_call(r: random.Random) -> tuple[str, Callable, list[Any]]:
     """(name, function, arguments): arguments valid as plain lists of ints and tensors."""
-    choices = ["exact_prefix", "balanced_bounds", "split", "scatter", "gather"]
+    choices = ["exact_prefix", "balanced_bounds", "split", "scatter", "gather", "gather_many", "plain_batch"]
+    choices += ["narrow_many", "tensor_facts"]
     if HOOKS is not None:
         choices += ["job_offsets", "replay", "side_streams", "node_streams"]
     name = r.choice(choices)
@@ -103,6 +105,20 @@ def draw_call(r: random.Random) -> tuple[str, Callable, list[Any]]:
         return name, C._scatter, [[x], 0, sizes, [torch.device("cpu")] * len(sizes)]
     if name == "gather":
         return name, C._gather, [[x, x.clone(), x[:1]], 0, torch.device("cpu")]
+    leaves = [torch.randn(x.shape[0], r.randrange(1, 4)) for _ in range(r.randrange(1, 12))]
+    if name == "gather_many":
+        columns = [list(leaves) for _ in range(r.randrange(1, 4))]
+        sizes = fresh([x.shape[0] + 300] * len(columns))
+        dims = fresh([r.choice([0, 1, -1]) for _ in leaves])
+        return name, C._gather_many, [columns, dims, torch.device("cpu"), sizes]
+    if name == "plain_batch":
+        return name, C._plain_batch, [leaves, [r.choice([0, 1, None]) for _ in leaves], False]
+    if name == "tensor_facts":
+        return name, C._tensor_facts, [leaves + [x, x.t(), torch.tensor(1.0)]]
+    if name == "narrow_many":
+        start = r.randrange(x.shape[0] + 1)
+        rows = fresh([start, r.randrange(x.shape[0] - start + 1)])
+        return name, C._narrow_many, [leaves, fresh([r.choice([0, -1]) for _ in leaves]), *rows]
     if name == "job_offsets":
         sizes = [r.randrange(300, 2**20) for _ in range(r.randrange(1, 7))]
         strides = fresh([r.randrange(-(2**20), 2**20) for _ in sizes])
@@ -181,12 +197,15 @@ def same(a: Any, b: Any) -> bool:
     return a == b
 
 
-FAST_PATH = ("split", "scatter", "gather")  # dpfast.ops' entry points: anything unusual goes through torch.ops
+# dpfast.ops' entry points: anything unusual goes through torch.ops (or Python's own path) when they decline
+FAST_PATH = ("split", "scatter", "gather", "gather_many", "narrow_many", "tensor_facts")
 
 
 def judge(name: str, action: str, benign: tuple, got: tuple) -> str:
     """'' when the hostile call's outcome is allowed, else why not."""
     if name in FAST_PATH and got[0] == "ok" and got[1] is NotImplemented:
+        return ""
+    if name == "plain_batch" and got[0] == "ok" and got[1] in (None, NotImplemented):  # planning walks in full
         return ""
     if action == "fake tensor":
         return "" if got[:2] == ("error", TypeError) else f"{short(got)} for an object that is no Tensor"

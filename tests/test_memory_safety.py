@@ -217,8 +217,8 @@ ENTRY_POINT_CASES = {
         type_error(C._exact_prefix, NotATensor())
         type_error(C._balanced_bounds, NotATensor(), [1], [1], 0, 0, 0, 1)
     """,
-    # _gather_many and _plain_batch read only exact ints and exact Tensors (no Python code runs while they read):
-    # anything else is declined (NotImplemented / None), and Python takes its own path
+    # _gather_many, _plain_batch and _narrow_many read only exact ints and exact Tensors (no Python code runs while
+    # they read): anything else is declined (NotImplemented / None), and Python takes its own path
     "many_leaves_entry_points_decline_hostile_items": """
         cpu, xs = torch.device("cpu"), [torch.randn(300, 2) for _ in range(3)]
         outs, follows, done = C._gather_many([xs, xs], [0, 0, 0], cpu, [300, 300])
@@ -230,6 +230,52 @@ ENTRY_POINT_CASES = {
         assert C._plain_batch(xs, [0, 0, 0], False) == (300, [0, 0, 0], -1)
         assert C._plain_batch(xs, hostile([0, 0, 0]), False) is None
         assert C._plain_batch([NotATensor()] * 3, [0, 0, 0], False) is None
+        cut = C._narrow_many(xs, [0, -1, 0], 100, 50)
+        assert [c.shape[0] for c in cut] == [50, 300, 50] and cut[1] is xs[1]
+        assert C._narrow_many(xs, hostile([0, 0, 0]), 100, 50) is NotImplemented
+        assert C._narrow_many(xs, [0, 0, 0], hostile([100])[0], 50) is NotImplemented
+        assert C._narrow_many([NotATensor()] * 3, [0, 0, 0], 100, 50) is NotImplemented
+        assert C._narrow_many(xs, [0, 0, 0], 2**63 - 1, 2**63 - 1) is NotImplemented
+        assert C._narrow_many(xs, [0, 0, 0], 2**64, 1) is NotImplemented
+        assert C._tensor_facts(xs) == (300, 2, torch.float32, False) * 3
+        assert C._tensor_facts([NotATensor()]) is NotImplemented
+        assert C._tensor_facts(hostile([1])) is NotImplemented
+        # columns of another length than dims: declined before anything is sized by their counts
+        assert C._gather_many([[]] * 100_000, [0] * 10_000, cpu, [1]) is NotImplemented
+    """,
+    # _tensor_facts borrows them too: every Tensor is taken before its tuple is made
+    "tensor_facts_list_emptied_by_a_collection": """
+        import gc
+        xs, tensor_facts = [torch.randn(300, 2) for _ in range(64)], C._tensor_facts
+        def empty(phase, info):
+            if phase == "start":
+                xs.clear()
+        gc.collect()
+        gc.callbacks.append(empty)
+        gc.set_threshold(1)  # the next GC-tracked allocation collects: the call's own tuple
+        try:
+            got = tensor_facts(xs)
+        finally:
+            gc.set_threshold(700)
+            gc.callbacks.remove(empty)
+        assert got == (300, 2, torch.float32, False) * 64 and not xs, got
+    """,
+    # _narrow_many borrows the list's items too: every Tensor is taken before the first allocation
+    "narrow_many_list_emptied_by_a_collection": """
+        import gc
+        xs, axes, narrow_many = [torch.randn(300, 2) for _ in range(64)], [0] * 64, C._narrow_many
+        def empty(phase, info):
+            if phase == "start":
+                xs.clear()
+        gc.collect()
+        gc.callbacks.append(empty)
+        gc.set_threshold(1)  # the next GC-tracked allocation collects: the call's own first one
+        try:
+            got = narrow_many(xs, axes, 10, 20)
+        finally:
+            gc.set_threshold(700)
+            gc.callbacks.remove(empty)
+        assert len(got) == 64 and all(t.shape == (20, 2) for t in got) and not xs, got
     """,
     # _plain_batch borrows the list's items: a collection run by an allocation (here a finalizer that empties the
     # list) must not come before the last item is read

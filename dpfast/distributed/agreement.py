@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import ops
 from ..plan.call_plan import CallPlan
 from ..plan.errors import ScatterError
 from ..plan.render import shape_text
@@ -138,7 +139,10 @@ class StepDescriber:
         if tree is None or tree.split is None or tree.flat is None or self.hash_values or plan.balance is not None:
             return describe_step(plan, error, self.per_rank, self.hash_values)
         skeleton = tree.skeleton
-        key = (skeleton, plan.batch_size, tuple(plan.sizes), _tensor_facts(tree.flat, skeleton.tensors))
+        facts = _tensor_facts(tree.flat, skeleton.tensors)
+        if facts is None:
+            return describe_step(plan, error, self.per_rank, self.hash_values)
+        key = (skeleton, plan.batch_size, tuple(plan.sizes), facts)
         kept = self._kept.get(key)
         if kept is not None:
             return StepRecord(OK, None, kept[0], kept[1])
@@ -149,17 +153,23 @@ class StepDescriber:
         return record
 
 
-def _tensor_facts(values: Sequence[Any], where: Sequence[int]) -> tuple:
+def _tensor_facts(values: Sequence[Any], where: Sequence[int]) -> tuple | None:
     """The sizes, dtype and ``requires_grad`` of the tensors at ``where``, in one flat tuple (no object per leaf
-    outlives the call); each dtype ends a tensor's sizes, so it decodes one way."""
-    facts: list = []
-    extend, append = facts.extend, facts.append
-    for i in where:
-        v = values[i]
+    outlives the call); each dtype ends a tensor's sizes, so it decodes one way. None when one has no sizes (a
+    strided nested tensor passed whole): such a call is described in full."""
+    tensors = [values[i] for i in where]
+    facts = ops._tensor_facts(tensors)  # one call for every tensor
+    if facts is not None:
+        return facts
+    out: list = []
+    extend, append = out.extend, out.append
+    for v in tensors:
+        if v.is_nested:
+            return None
         extend(v.shape)
         append(v.dtype)
         append(v.requires_grad)
-    return tuple(facts)
+    return tuple(out)
 
 
 def chain_row(records: Sequence[StepRecord]) -> list[int]:

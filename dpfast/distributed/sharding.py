@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from .. import ops
 from ..move.nested import scatter_jagged
 from ..move.scatter import scatter_packed
 from ..plan.call_plan import CallPlan, plan_call
@@ -99,9 +100,12 @@ def cut_rows(plan: CallPlan, start: int, length: int, subs: dict | None = None) 
         return take_rows(tree, plan.mapped, start, length, subs)
     values = _leaf_values(tree, subs)
     axes, _ = tree.split
-    for i, axis in zip(tree.skeleton.tensors, axes):
-        if axis >= 0:
-            values[i] = _narrowed(values[i], axis, start, length)
+    where = tree.skeleton.tensors
+    cut = ops._narrow_many([values[i] for i in where], axes, start, length)  # one call for every tensor
+    if cut is None:  # (a torch-function mode sees each narrow; rows outside a tensor raise torch's error)
+        cut = [_narrowed(values[i], axis, start, length) if axis >= 0 else values[i] for i, axis in zip(where, axes)]
+    for i, v in zip(where, cut):
+        values[i] = v
     return tree.rebuild(values)
 
 

@@ -30,6 +30,7 @@
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/object_ptr.h>
 
 #include <exception>
 #include <vector>
@@ -251,8 +252,9 @@ at::Tensor narrowed(const at::Tensor& t, int64_t axis, int64_t start, int64_t le
 // _narrow_many(tensors, axes, start, length) -> list | NotImplemented
 //   tensors: a call's tensor leaves; axes: per tensor, the axis to cut (counted from the front), or -1 to pass it
 //   as it is. Every tensor with an axis cut to rows [start, start + length) there (see narrowed above), the others
-//   the very same objects. NotImplemented (the caller narrows in Python, and raises what is wrong) unless every
-//   tensor is a plain dense one, every axis is -1 or one of its tensor's, and the rows lie inside every cut tensor.
+//   the very same objects. NotImplemented (the caller narrows in Python, and raises what is wrong) unless every item
+//   is a Tensor, every cut one a plain dense one with concrete sizes, every axis -1 or one of its tensor's, and the
+//   rows inside every cut tensor.
 PyObject* py_narrow_many(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   PyObject* const* items;
@@ -275,7 +277,8 @@ PyObject* py_narrow_many(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     const int64_t axis = axes[i];
     if (axis == -1) continue;
     // start + length <= size, without overflow: both are >= 0 and size - length is compared instead
-    if (!dense(t) || axis < 0 || axis >= t.dim() || length > t.size(axis) || start > t.size(axis) - length) {
+    if (!dense(t) || t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() || axis < 0 || axis >= t.dim() ||
+        length > t.size(axis) || start > t.size(axis) - length) {
       return not_implemented();
     }
   }
@@ -285,17 +288,14 @@ PyObject* py_narrow_many(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       if (axes[i] != -1) tensors[i] = narrowed(tensors[i], axes[i], start, length);
     }
   }
-  PyObject* list = PyList_New(n);
-  if (list == nullptr) return nullptr;
+  THPObjectPtr list(PyList_New(n));  // (freed if a wrap fails or throws)
+  if (!list) return nullptr;
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* t = THPVariable_Wrap(std::move(tensors[static_cast<size_t>(i)]));  // an uncut one: its own object
-    if (t == nullptr) {
-      Py_DECREF(list);
-      return nullptr;
-    }
-    PyList_SET_ITEM(list, i, t);
+    if (t == nullptr) return nullptr;
+    PyList_SET_ITEM(list.get(), i, t);
   }
-  return list;
+  return list.release();
   END_HANDLE_TH_ERRORS
 }
 
@@ -322,26 +322,27 @@ PyObject* py_tensor_facts(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     count += nd + 2;
     tensors[static_cast<size_t>(i)] = t;
   }
-  PyObject* facts = PyTuple_New(static_cast<Py_ssize_t>(count));
-  if (facts == nullptr) return nullptr;
-  Py_ssize_t k = 0;
-  for (const at::Tensor& t : tensors) {
-    for (const int64_t size : t.sizes()) {
-      PyObject* v = PyLong_FromLongLong(size);
-      if (v == nullptr) {
-        Py_DECREF(facts);
-        return nullptr;
-      }
-      PyTuple_SET_ITEM(facts, k++, v);
-    }
-    PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()));
-    Py_INCREF(dtype);
-    PyTuple_SET_ITEM(facts, k++, dtype);
-    PyObject* grad = t.requires_grad() ? Py_True : Py_False;
-    Py_INCREF(grad);
-    PyTuple_SET_ITEM(facts, k++, grad);
+  // the dtype objects (torch's own, never freed) before the tuple, so that nothing throws once it exists
+  std::vector<PyObject*> dtypes(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    dtypes[i] = reinterpret_cast<PyObject*>(torch::getTHPDtype(tensors[i].scalar_type()));
   }
-  return facts;
+  THPObjectPtr facts(PyTuple_New(static_cast<Py_ssize_t>(count)));
+  if (!facts) return nullptr;
+  Py_ssize_t k = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    for (const int64_t size : tensors[i].sizes()) {
+      PyObject* v = PyLong_FromLongLong(size);
+      if (v == nullptr) return nullptr;
+      PyTuple_SET_ITEM(facts.get(), k++, v);
+    }
+    Py_INCREF(dtypes[i]);
+    PyTuple_SET_ITEM(facts.get(), k++, dtypes[i]);
+    PyObject* grad = tensors[i].requires_grad() ? Py_True : Py_False;
+    Py_INCREF(grad);
+    PyTuple_SET_ITEM(facts.get(), k++, grad);
+  }
+  return facts.release();
   END_HANDLE_TH_ERRORS
 }
 

@@ -224,8 +224,9 @@ if LOADED:
 
     def _narrow_many(tensors: Sequence[Tensor], axes: Sequence[int], start: int, length: int) -> list[Tensor] | None:
         """Each tensor cut to rows ``start:start+length`` along ``axes[i]`` (a view along axis 0, else a contiguous
-        copy), or passed as it is where ``axes[i]`` is -1; None when the caller must narrow each itself (a
-        tensor that is not a plain dense one, rows outside a tensor, a ``__torch_function__`` mode, tracing)."""
+        copy), or passed as it is where ``axes[i]`` is -1; None when the caller must narrow each itself (a cut
+        tensor that is not a plain dense one, rows outside a tensor, a ``__torch_function__`` mode,
+        ``torch.compile``)."""
         if _fast_narrow_many is None or _compiling():
             return None
         out = _fast_narrow_many(tensors, axes, start, length)
@@ -234,7 +235,7 @@ if LOADED:
     def _tensor_facts(tensors: Sequence[Tensor]) -> tuple | None:
         """Each tensor's sizes, then its dtype and ``requires_grad``, in one flat tuple; None when the caller must
         read them itself (a tensor that is not a plain one, or has no concrete sizes; a ``__torch_function__``
-        mode, tracing)."""
+        mode, ``torch.compile``)."""
         if _fast_tensor_facts is None or _compiling():
             return None
         out = _fast_tensor_facts(tensors)

@@ -248,3 +248,24 @@ def test_a_worker_that_cannot_start_fails_its_replica_instead_of_hanging(monkeyp
 
     box = _call_in_thread(lambda: dpfast.DataParallel(Turns(), ["cpu"] * 2, out_dims="sum")(torch.ones(4)))
     assert isinstance(box["error"], RuntimeError) and "can't start new thread" in str(box["error"])
+
+
+def test_a_forwards_collective_log_is_freed_by_reference_counting():
+    """DistributedDataParallel keeps one CollectiveLog a forward (with a ghost's results: tensors with their graphs);
+    it must go when its last reference does, not wait for a garbage collection."""
+    import gc
+    import weakref
+
+    from dpfast.distributed.keeping_step import CollectiveLog
+
+    gc.collect()
+    gc.disable()
+    try:
+        log = CollectiveLog(keep_results=True)
+        with log:
+            log.results.append(torch.ones(3, requires_grad=True) * 2)
+        gone = weakref.ref(log), weakref.ref(log.results[0])
+        del log
+        assert [r() for r in gone] == [None, None]
+    finally:
+        gc.enable()

@@ -264,12 +264,16 @@ def test_a_nested_tensor_passed_whole_is_described_by_the_full_walk():
     nested = torch.nested.nested_tensor([torch.randn(2), torch.randn(3)])
     x = torch.randn(4, 2)
     describer = StepDescriber(False, False)
-    for _ in range(4):
+    for call in range(4):
         plan = plan_call(binding, (x, nested), {}, 2)
+        assert (plan.tree.flat is not None) == (call >= 2)  # read along the kept skeleton from the third call
         got = describer(plan, None)
         fresh = plan_call(Binding(_with_whole, {"extra": None}, 0), (x, nested), {}, 2)
         want = describe_step(fresh, None, False, False)
         assert (got.status, got.items, got.fp) == (want.status, want.items, want.fp)
+        rows = cut_rows(plan, 2, 2)  # the nested tensor passes whole, as the full walk's take_rows passes it
+        _same_views(rows[0][0], take_rows(fresh.tree, fresh.mapped, 2, 2)[0][0])
+        assert rows[0][1] is nested
 
 
 def _python_facts(tensors):

@@ -57,6 +57,7 @@ def test_flat_layout_pickle_loads_and_computes_the_same(saved):
     dp = saved["model"]
     assert isinstance(dp, dpfast.DataParallel) and isinstance(dp, torch.nn.DataParallel)
     assert dp.device_ids == [torch.device("cpu")] * 2 and dp.in_dims == {"h": 0} and dp.cost == "lengths"
+    assert dp.out_dims == (0, 0) and list(dp.chunk_sizes) == [1, 2]  # what _expected_here builds afresh
     x, lengths, h = saved["inputs"]
     expected = _expected_here(saved)
     with torch.no_grad():

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..run.collectives import all_gather, all_reduce, observe_process_group_collectives
+from ..run.collectives import all_gather, all_reduce, observe_process_group_collectives, observing
 from ..trees.flatten import unflatten
 from ..trees.specs import Leaf, Spec, match_spec
 from .agreement import EMPTY_REFUSED, GHOST_COUNTED, OK, error_line
@@ -40,16 +40,19 @@ Entry = tuple  # (kind, dim or op, shape, dtype, device) of one collective
 
 class CollectiveLog(observe_process_group_collectives):
     """The process-group collectives of one forward, in order (see the module docstring); ``with log:`` observes
-    them (one object a forward, not a log and an observer)."""
+    them (one object a forward, not a log and an observer). It does not hold itself as its observer: that cycle
+    would keep a ghost's results (tensors with their graphs) until a garbage collection."""
 
     def __init__(self, keep_results: bool = False) -> None:
-        super().__init__(self)
         self.entries: list[Entry] = []
         self.keep_results = keep_results  # a rank without rows: a ghost may need them
         self.results: list[Tensor] = []
         self.replay_upto = 0  # in a ghost: the first calls get the recorded results, nothing is sent
         self.position = 0
         self.sent_in_attempt = 0
+
+    def __enter__(self) -> None:
+        self.token = observing(self)
 
     def restart(self) -> None:
         """Another attempt at the same forward (the ghost): what the earlier ones sent is not sent again."""

@@ -168,10 +168,15 @@ class observe_process_group_collectives:
         self.observer = observer
 
     def __enter__(self) -> None:
-        self.token = _OBSERVER.set(self.observer)
+        self.token = observing(self.observer)
 
     def __exit__(self, *exc: object) -> None:
         _OBSERVER.reset(self.token)
+
+
+def observing(observer: Observer) -> contextvars.Token:
+    """Make ``observer`` the one the process-group collectives go through; reset with the token it returns."""
+    return _OBSERVER.set(observer)
 
 
 def _through_observer(kind: str, t: Tensor, arg: object, communicate: Callable[[], Tensor]) -> Tensor:

@@ -217,8 +217,8 @@ ENTRY_POINT_CASES = {
         type_error(C._exact_prefix, NotATensor())
         type_error(C._balanced_bounds, NotATensor(), [1], [1], 0, 0, 0, 1)
     """,
-    # _gather_many, _plain_batch and _narrow_many read only exact ints and exact Tensors (no Python code runs while
-    # they read): anything else is declined (NotImplemented / None), and Python takes its own path
+    # _gather_many, _plain_batch, _narrow_many and _tensor_facts read only exact ints and exact Tensors (no Python
+    # code runs while they read): anything else is declined (NotImplemented / None), and Python takes its own path
     "many_leaves_entry_points_decline_hostile_items": """
         cpu, xs = torch.device("cpu"), [torch.randn(300, 2) for _ in range(3)]
         outs, follows, done = C._gather_many([xs, xs], [0, 0, 0], cpu, [300, 300])

@@ -140,6 +140,23 @@ from dpfast.ext.loader import C, RECORD
 if (RECORD or {}).get("test_hooks"):
     import dpfast._C_hooks as hooks
 
+def emptied_by_a_collection(call, xs, *rest):
+    # call(xs, *rest), with a collection at the call's own first GC-tracked allocation (Python 3.11 collects
+    # there) whose callback empties xs, as a finalizer could: what the call borrowed from xs must be held by then
+    import gc
+    def empty(phase, info):
+        if phase == "start":
+            xs.clear()
+    packed = (xs, *rest)  # made before the threshold drops: the call itself allocates nothing before the entry point
+    gc.collect()
+    gc.callbacks.append(empty)
+    gc.set_threshold(1)
+    try:
+        return call(*packed)
+    finally:
+        gc.set_threshold(700)
+        gc.callbacks.remove(empty)
+
 class Emptying:
     # an int whose __index__ empties the lists it names first: the extension must hold its own references
     def __init__(self, value, *lists):
@@ -245,54 +262,21 @@ ENTRY_POINT_CASES = {
     """,
     # _tensor_facts borrows them too: every Tensor is taken before its tuple is made
     "tensor_facts_list_emptied_by_a_collection": """
-        import gc
-        xs, tensor_facts = [torch.randn(300, 2) for _ in range(64)], C._tensor_facts
-        def empty(phase, info):
-            if phase == "start":
-                xs.clear()
-        gc.collect()
-        gc.callbacks.append(empty)
-        gc.set_threshold(1)  # the next GC-tracked allocation collects: the call's own tuple
-        try:
-            got = tensor_facts(xs)
-        finally:
-            gc.set_threshold(700)
-            gc.callbacks.remove(empty)
+        xs = [torch.randn(300, 2) for _ in range(64)]
+        got = emptied_by_a_collection(C._tensor_facts, xs)  # the collection: at the call's own tuple
         assert got == (300, 2, torch.float32, False) * 64 and not xs, got
     """,
     # _narrow_many borrows the list's items too: every Tensor is taken before the first allocation
     "narrow_many_list_emptied_by_a_collection": """
-        import gc
-        xs, axes, narrow_many = [torch.randn(300, 2) for _ in range(64)], [0] * 64, C._narrow_many
-        def empty(phase, info):
-            if phase == "start":
-                xs.clear()
-        gc.collect()
-        gc.callbacks.append(empty)
-        gc.set_threshold(1)  # the next GC-tracked allocation collects: the call's own first one
-        try:
-            got = narrow_many(xs, axes, 10, 20)
-        finally:
-            gc.set_threshold(700)
-            gc.callbacks.remove(empty)
+        xs = [torch.randn(300, 2) for _ in range(64)]
+        got = emptied_by_a_collection(C._narrow_many, xs, [0] * 64, 10, 20)
         assert len(got) == 64 and all(t.shape == (20, 2) for t in got) and not xs, got
     """,
     # _plain_batch borrows the list's items: a collection run by an allocation (here a finalizer that empties the
     # list) must not come before the last item is read
     "plain_batch_list_emptied_by_a_collection": """
-        import gc
-        xs, specs, plain_batch = [torch.randn(300, 2) for _ in range(64)], [0] * 64, C._plain_batch
-        def empty(phase, info):
-            if phase == "start":
-                xs.clear()
-        gc.collect()
-        gc.callbacks.append(empty)
-        gc.set_threshold(1)  # the next GC-tracked allocation collects: the call's own first one
-        try:
-            got = plain_batch(xs, specs, False)
-        finally:
-            gc.set_threshold(700)
-            gc.callbacks.remove(empty)
+        xs = [torch.randn(300, 2) for _ in range(64)]
+        got = emptied_by_a_collection(C._plain_batch, xs, [0] * 64, False)
         assert got == (300, [0] * 64, -1) and not xs, got
     """,
 }

@@ -45,6 +45,14 @@ def _narrow_many(tensors: Sequence[Tensor], axes: Sequence[int], start: int, len
 # per tensor its sizes, dtype and requires_grad, in one flat tuple, or NotImplemented
 def _tensor_facts(tensors: Sequence[Tensor]) -> Any: ...
 
+# A module tree's dicts checked and restored by identity (csrc/python_dicts.cpp; dpfast/run/shallow_snapshots.py
+# does the same in Python for whatever these decline).
+# whether every dicts[i] holds exactly keys[i] bound to values[i], in order, by identity; or NotImplemented
+def _same_dicts(dicts: Sequence[dict], keys: Sequence[tuple], values: Sequence[tuple]) -> Any: ...
+
+# lives[i] cleared and updated from saved[i] (where it holds other entries); None, or NotImplemented
+def _restore_dicts(lives: Sequence[dict], saved: Sequence[dict]) -> Any: ...
+
 # DistributedDataParallel's per-step check as a C++ comm hook on DDP's reducer (csrc/ddp_check_hook.cpp;
 # dpfast/distributed/bucket_check.py holds the Python hook it stands in for). The state is an opaque capsule.
 def _ddp_check_install(

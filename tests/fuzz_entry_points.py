@@ -1,16 +1,16 @@
 """A seeded fuzzer of the extension's CPython argument parsing: hostile objects inside legal-looking arguments.
 
-Each round takes one private entry point of ``dpfast._C`` or ``dpfast._C_hooks`` (the cost arithmetic, the
-kernel-walk hooks, the ops' fast path, the entry points of many leaves) with valid arguments, then hides a hostile
-object in one of them: an int whose ``__index__`` empties, shrinks or grows the list it sits in (or every list of
-the call), raises, or returns a number past int64; an object whose ``__class__`` claims to be a Tensor; a list
-subclass whose ``__iter__`` and ``__len__`` lie. The oracle: the call gives exactly what the same call gives with a
-harmless object in the hostile one's place (the extension reads every list as it was when the call began), or the
-error that hook asks for (the exception ``__index__`` raised; a TypeError or ValueError for a number past int64 or
-an object that is no Tensor); the ops' fast path and the entry points of many leaves may decline (NotImplemented,
-or None from ``_plain_batch``: dpfast.ops then goes through torch.ops, planning and the cut through Python). Never
-a crash: ``make sanitize`` runs it under AddressSanitizer with PYTHONMALLOC=malloc, where reading a freed object is
-a report.
+Each round takes one private entry point of ``dpfast._C`` or ``dpfast._C_hooks`` (the cost arithmetic, the kernel-
+walk hooks, the ops' fast path, the entry points of many leaves, the replicas' dict checks) with valid arguments,
+then hides a hostile object in one of them: an int whose ``__index__`` empties, shrinks or grows the list it sits in
+(or every list of the call), raises, or returns a number past int64; an object whose ``__class__`` claims to be a
+Tensor; a list subclass whose ``__iter__`` and ``__len__`` lie. The oracle: the call gives exactly what the same
+call gives with a harmless object in the hostile one's place (the extension reads every list as it was when the call
+began), or the error that hook asks for (the exception ``__index__`` raised; a TypeError or ValueError for a number
+past int64 or an object that is no Tensor); the ops' fast path and the entry points of many leaves may decline
+(NotImplemented, or None from ``_plain_batch``: dpfast.ops then goes through torch.ops, planning and the cut through
+Python). Never a crash: ``make sanitize`` runs it under AddressSanitizer with PYTHONMALLOC=malloc, where reading a
+freed object is a report.
 
     python tests/fuzz_entry_points.py --seconds 20 --seed 0
 
@@ -80,7 +80,7 @@ def fresh(values: list[int]) -> list[int]:
 def draw_call(r: random.Random) -> tuple[str, Callable, list[Any]]:
     """(name, function, arguments): arguments valid as plain lists of ints and tensors."""
     choices = ["exact_prefix", "balanced_bounds", "split", "scatter", "gather", "gather_many", "plain_batch"]
-    choices += ["narrow_many", "tensor_facts"]
+    choices += ["narrow_many", "tensor_facts", "same_dicts", "restore_dicts"]
     if HOOKS is not None:
         choices += ["job_offsets", "replay", "side_streams", "node_streams"]
     name = r.choice(choices)
@@ -96,6 +96,13 @@ def draw_call(r: random.Random) -> tuple[str, Callable, list[Any]]:
             C._balanced_bounds,
             [prefix, fresh([300 + r.randrange(99) for _ in range(k)]), fresh(targets), 0, 0, 0, 3 * batch * 400],
         )
+    if name in ("same_dicts", "restore_dicts"):
+        sizes = [r.randrange(6) for _ in range(r.randrange(8))]
+        dicts = [dict(zip([f"k{j}" for j in range(n)], fresh([300 + r.randrange(9) for _ in range(n)]))) for n in sizes]
+        if name == "restore_dicts":
+            return name, C._restore_dicts, [[dict(d, extra=1) if r.random() < 0.5 else d for d in dicts], dicts]
+        keys, values = [tuple(d) for d in dicts], [tuple(d.values()) for d in dicts]
+        return name, C._same_dicts, [[dict(d) if r.random() < 0.8 else {} for d in dicts], keys, values]
     x = torch.randn(r.randrange(1, 40), 3)
     if name in ("split", "scatter"):
         cuts = sorted(r.randrange(x.shape[0] + 1) for _ in range(r.randrange(0, 8)))
@@ -198,7 +205,7 @@ def same(a: Any, b: Any) -> bool:
 
 
 # dpfast.ops' entry points: anything unusual goes through torch.ops (or Python's own path) when they decline
-FAST_PATH = ("split", "scatter", "gather", "gather_many", "narrow_many", "tensor_facts")
+FAST_PATH = ("split", "scatter", "gather", "gather_many", "narrow_many", "tensor_facts", "same_dicts", "restore_dicts")
 
 
 def judge(name: str, action: str, benign: tuple, got: tuple) -> str:

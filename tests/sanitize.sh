@@ -48,7 +48,7 @@ status=0
 run "$(dirname "$py")/pytest" -q -p no:cacheprovider --capture=sys tests/test_ops.py tests/test_op_arguments.py \
   tests/test_memory_safety.py tests/test_native_costs.py tests/test_balance.py \
   tests/test_cuda_decisions_on_host.py tests/test_ddp_check_hook.py tests/test_distributed_checks.py \
-  tests/test_distributed_step_records.py || status=$?
+  tests/test_distributed_step_records.py tests/test_shallow_snapshots.py tests/test_replica_bindings.py tests/test_replica_leases.py || status=$?
 run "$py" tests/fuzz_ops.py --seconds "${FUZZ_SECONDS:-60}" --seed "${FUZZ_SEED:-0}" || status=$?
 run "$py" tests/fuzz_structures.py --seconds "${FUZZ_SECONDS:-60}" --seed "${FUZZ_SEED:-0}" || status=$?
 run "$py" tests/fuzz_entry_points.py --seconds "$(( ${FUZZ_SECONDS:-60} / 3 + 1 ))" --seed "${FUZZ_SEED:-0}" || status=$?

@@ -272,6 +272,32 @@ ENTRY_POINT_CASES = {
         got = emptied_by_a_collection(C._narrow_many, xs, [0] * 64, 10, 20)
         assert len(got) == 64 and all(t.shape == (20, 2) for t in got) and not xs, got
     """,
+    # _restore_dicts clears dicts, which can run a value's __del__: here one that empties both lists and the saved
+    # dicts, and drops the last other reference to every dict, before the later ones are restored
+    "restore_dicts_finalizer_empties_everything": """
+        class Wiper:
+            def __init__(self, *targets):
+                self.targets = targets
+            def __del__(self):
+                for t in self.targets:
+                    t.clear()
+        lives = [{"a": 1}] + [{"k": int(str(300 + i))} for i in range(63)]
+        saved = [dict(d, b=2) for d in lives]
+        lives[0]["w"] = Wiper(lives, saved, *saved[1:])
+        keep = lives[0]
+        assert C._restore_dicts(lives, saved) is None
+        assert keep == {"a": 1, "b": 2} and lives == [] and saved == [], (keep, lives, saved)
+    """,
+    # _same_dicts reads dicts, tuples and lists it borrows, and runs no Python code meanwhile: nothing can change them
+    "same_dicts_read_borrowed": """
+        dicts = [{"k": int(str(300 + i)), "j": object()} for i in range(64)]
+        keys = [tuple(d) for d in dicts]
+        values = [tuple(d.values()) for d in dicts]
+        assert C._same_dicts(dicts, keys, values) is True
+        assert emptied_by_a_collection(C._same_dicts, dicts, keys, values) is True
+        assert C._same_dicts([{}], [()], [(1,)]) is NotImplemented
+        assert C._same_dicts([NotATensor()], [()], [()]) is NotImplemented
+    """,
     # _plain_batch borrows the list's items: a collection run by an allocation (here a finalizer that empties the
     # list) must not come before the last item is read
     "plain_batch_list_emptied_by_a_collection": """

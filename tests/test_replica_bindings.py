@@ -142,6 +142,46 @@ def test_a_replica_writing_to_the_modules_state_is_named(how, named):
         dp(_x(9).float())  # said once per wrapper
 
 
+class OthersWriteThrough(nn.Module):
+    """Only the replicas after the first write, so the module's own turn leaves its tree as it was copied."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.total = torch.zeros(())
+        self.shared = {"model": self}
+        self.how = how
+
+    def forward(self, x):
+        if dpfast.replica_index() == 2:
+            if self.how == "in place":
+                self.total += 1
+            elif self.how == "through the module":
+                self.shared["model"].last_input = x
+        return self.lin(x)
+
+
+@pytest.mark.parametrize(("how", "named"), [("in place", "`total` was changed in place"),
+                                            ("through the module", "`last_input` was set")])  # fmt: skip
+def test_a_write_is_named_when_the_module_itself_wrote_nothing(how, named):
+    """The watch reads the module's state as its replicas were copied from it (the kept snapshot) when the module's
+    own turn changed nothing: a write by a later replica is still seen, at every call."""
+    m = OthersWriteThrough(how)
+    dp = dpfast.DataParallel(m, ["cpu"] * 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dpfast.DataParallel(OthersWriteThrough("nothing"), ["cpu"] * 3)(_x(9).float())
+    for _ in range(2):  # the second call: the replica set of the first, refreshed
+        dp._replicas.reported.clear()
+        with pytest.warns(RuntimeWarning, match=rf"replica 2, sharing the module's device.*{named}"):
+            dp(_x(9).float())
+    if how != "in place":
+        del m.last_input
+        dp._replicas.reported.clear()
+        with pytest.warns(RuntimeWarning, match=rf"replica 2, .*{named}"):
+            dp(_x(9).float())
+
+
 def test_ordinary_modules_are_not_named():
     dp = dpfast.DataParallel(Normed().train(), ["cpu"] * 3)
     with warnings.catch_warnings():

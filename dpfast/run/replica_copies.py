@@ -6,6 +6,7 @@ and dropped.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections import OrderedDict
 
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from .rebinding import rebind
+from .shallow_snapshots import all_same, restore, snap
 
 # The hook registries of an nn.Module that a forward (or backward) consults.
 HOOK_DICTS = (
@@ -26,18 +28,6 @@ HOOK_DICTS = (
 )
 # What a replica's __dict__ holds that is not rebound value by value: its own registries.
 _OWN_DICTS = frozenset(HOOK_DICTS) | {"_parameters", "_buffers", "_modules", "_former_parameters"}
-
-
-def snap(d: dict) -> tuple[tuple, tuple]:
-    """A dict's keys and values, as they are now (shallow)."""
-    return tuple(d), tuple(d.values())
-
-
-def same(now: dict, snapshot: tuple[tuple, tuple]) -> bool:
-    """``now`` holds exactly ``snapshot``'s keys, in order, each bound to the very same object (C-speed identity
-    checks; a key re-inserted as an equal but other string reads as a change, which only costs a rebuild)."""
-    keys, values = snapshot
-    return len(now) == len(keys) and all(map(operator.is_, now, keys)) and all(map(operator.is_, now.values(), values))
 
 
 def _refuse_compiled(root: nn.Module) -> None:
@@ -83,9 +73,15 @@ class SourceSnapshot:
         _refuse_per_sample_gradients(root)
         self.root = root
         self.modules = list(root.modules())
-        self.snapshots = [
-            (type(m), snap(m.__dict__), snap(m._parameters), snap(m._buffers), snap(m._modules)) for m in self.modules
-        ]
+        self.types = [type(m) for m in self.modules]
+        # every module's __dict__, then its _parameters, _buffers and _modules: while a __dict__ holds its very
+        # values, these are the dicts it holds
+        self.own_dicts = [d for m in self.modules for d in (m._parameters, m._buffers, m._modules)]
+        snaps = [snap(m.__dict__) for m in self.modules] + [snap(d) for d in self.own_dicts]
+        self.keys, self.values = [k for k, _ in snaps], [v for _, v in snaps]
+        n = len(self.modules)
+        self.dict_keys, self.dict_values = self.keys[:n], self.values[:n]  # the modules' __dict__s alone
+        self._tensors: list[torch.Tensor] | None = None
         self.index = {id(m): i for i, m in enumerate(self.modules)}
         self.params = list(root.parameters())  # deduplicated: a tied parameter is broadcast once, as in torch
         self.param_index = {id(p): k for k, p in enumerate(self.params)}
@@ -99,18 +95,27 @@ class SourceSnapshot:
     def valid(self, root: nn.Module) -> bool:
         """Whether ``root`` is still this tree: the same modules, each with the same class and the very same
         attributes, parameters, buffers and submodules (see :mod:`dpfast.run.replicas`)."""
-        if self.modules[0] is not root:
-            return False
-        for m, (t, d, p, b, c) in zip(self.modules, self.snapshots):
-            if not (
-                type(m) is t  # a __class__ swap leaves the dicts as they were
-                and same(m.__dict__, d)
-                and same(m._parameters, p)
-                and same(m._buffers, b)
-                and same(m._modules, c)
-            ):
-                return False
-        return True
+        modules = self.modules
+        return (
+            modules[0] is root
+            and all(map(operator.is_, map(type, modules), self.types))  # a __class__ swap leaves the dicts as they were
+            and all_same([m.__dict__ for m in modules] + self.own_dicts, self.keys, self.values)
+        )
+
+    def tensors(self) -> list[torch.Tensor]:
+        """:func:`tensors_of` the tree, as they are while it is :meth:`valid`."""
+        if self._tensors is None:
+            self._tensors = tensors_of(self.modules)
+        return self._tensors
+
+
+def tensors_of(modules: list[nn.Module]) -> list[torch.Tensor]:
+    """The parameters, buffers and tensor attributes of ``modules``, module by module."""
+    out = []
+    for m in modules:
+        attrs = (v for v in m.__dict__.values() if isinstance(v, torch.Tensor))
+        out.extend(t for t in itertools.chain(m._parameters.values(), m._buffers.values(), attrs) if t is not None)
+    return out
 
 
 class Replica:
@@ -158,9 +163,9 @@ class Replica:
                     self._hook_pairs.append((mine, theirs))
         self.holds_tensors = False  # a call's tensors are in the slots
         self.dirty = False  # written for a call since the last undo (its forward may have changed the copies)
-        self.pristine = [
-            (r, r.__dict__.copy(), dict(r._parameters), dict(r._buffers), dict(r._modules)) for r in copies
-        ]
+        # each copy's __dict__, _parameters, _buffers and _modules, and what they held when built
+        self._live = [d for r in copies for d in (r.__dict__, r._parameters, r._buffers, r._modules)]
+        self._pristine = [dict(d) for d in self._live]
 
     def write(self, params: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
         """This call's parameters (the module's own, or a copy) and buffers (this replica's own) into the slots."""
@@ -198,13 +203,9 @@ class Replica:
         cheaper than checking which ones changed.)"""
         if not self.dirty:
             return
-        for r, d, p, b, c in self.pristine:
-            live = r.__dict__
-            live.clear()
-            live.update(d)
-            for now, snapshot in ((r._parameters, p), (r._buffers, b), (r._modules, c)):
-                now.clear()
-                now.update(snapshot)
+        live = self._live
+        live[::4] = [r.__dict__ for r in self.modules]  # (a __dict__ can be replaced; the other three are in it)
+        restore(live, self._pristine)
         self.dirty = False
 
     def sync_hooks(self) -> None:

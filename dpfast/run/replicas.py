@@ -51,7 +51,8 @@ from torch import nn
 
 from ..move.broadcast import broadcast, buffer_copies, fresh
 from ..trees.flatten import flatten
-from .replica_copies import Replica, SourceSnapshot, same, snap
+from .replica_copies import Replica, SourceSnapshot
+from .shallow_snapshots import all_same, snap
 from .write_watch import WriteWatch
 
 # Private test switch: when true, every slot after the first on the source device gets its own full copy of the
@@ -220,10 +221,11 @@ class ReplicaCache:
     def modules_of(self, root: nn.Module) -> list[nn.Module]:
         """``list(root.modules())``, cached while no module's ``_modules`` changed (one identity check each)."""
         cached = self._module_list
-        if cached is not None and cached[0] is root and all(map(same, [m._modules for m in cached[1]], cached[2])):
+        if cached is not None and cached[0] is root and all_same([m._modules for m in cached[1]], *cached[2:]):
             return cached[1]
         modules = list(root.modules())
-        self._module_list = (root, modules, [snap(m._modules) for m in modules])
+        snaps = [snap(m._modules) for m in modules]
+        self._module_list = (root, modules, [k for k, _ in snaps], [v for _, v in snaps])
         return modules
 
     def check_module_device(self, root: nn.Module, source: torch.device) -> None:

@@ -21,15 +21,8 @@ from collections.abc import Iterable, Sequence
 
 from torch import Tensor
 
-from .replica_copies import SourceSnapshot, same, snap
-
-
-def _tensors(snapshot: SourceSnapshot) -> list[Tensor]:
-    out = []
-    for m in snapshot.modules:
-        attrs = (v for v in m.__dict__.values() if isinstance(v, Tensor))
-        out.extend(t for t in itertools.chain(m._parameters.values(), m._buffers.values(), attrs) if t is not None)
-    return out
+from .replica_copies import SourceSnapshot, tensors_of
+from .shallow_snapshots import all_same, snap
 
 
 def _versions(tensors: Iterable[Tensor]) -> list[int]:
@@ -51,8 +44,15 @@ class WriteWatch:
         self._found: list[tuple[int, str, str, str]] = []  # (replica, module path, attribute, what happened)
 
     def _take(self) -> tuple:
-        tensors = _tensors(self.snapshot)
-        return [snap(m.__dict__) for m in self.snapshot.modules], tensors, _versions(tensors)
+        """The modules' ``__dict__`` snapshots, their tensors and the tensors' versions, as they are now."""
+        s = self.snapshot
+        dicts = [m.__dict__ for m in s.modules]
+        if all_same(dicts + s.own_dicts, s.keys, s.values):  # as the replicas were copied: what was read then holds
+            keys, values, tensors = s.dict_keys, s.dict_values, s.tensors()
+        else:
+            snaps = [snap(d) for d in dicts]
+            keys, values, tensors = [k for k, _ in snaps], [v for _, v in snaps], tensors_of(s.modules)
+        return keys, values, tensors, _versions(tensors)
 
     def turn_ended(self, i: int) -> None:
         """Replica ``i`` gives up its device's turn (it returned, raised, or entered a collective)."""
@@ -62,17 +62,17 @@ class WriteWatch:
         state = self._state
         if state is None or i not in self.members:
             return
-        dicts, tensors, versions = state
+        keys, values, tensors, versions = state
         # the same attributes (by identity: a new tensor attribute is a change too), and each tensor's version
-        if all(map(same, [m.__dict__ for m in self.snapshot.modules], dicts)) and _versions(tensors) == versions:
+        if all_same([m.__dict__ for m in self.snapshot.modules], keys, values) and _versions(tensors) == versions:
             return
-        self._report(i, dicts, tensors, versions)
+        self._report(i, keys, values, tensors, versions)
         self._state = self._take()
 
-    def _report(self, i: int, dicts: list, tensors: list[Tensor], versions: list[int]) -> None:
+    def _report(self, i: int, all_keys: list, all_values: list, tensors: list[Tensor], versions: list[int]) -> None:
         """Note what replica ``i`` changed (the slow path, only once something did)."""
         moved = {id(t) for t, v in zip(tensors, versions) if (-1 if t.is_inference() else t._version) != v}
-        for m, name, (keys, values) in zip(self.snapshot.modules, self.snapshot.names, dicts):
+        for m, name, keys, values in zip(self.snapshot.modules, self.snapshot.names, all_keys, all_values):
             before = dict(zip(keys, values))
             owned = itertools.chain(m._parameters.items(), m._buffers.items(), m.__dict__.items())
             for key, v in owned:

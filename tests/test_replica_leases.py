@@ -7,12 +7,15 @@ Everything is float64 and compared with the unwrapped module doing the same step
 
 from __future__ import annotations
 
+import collections
 import copy
 import gc
 import weakref
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -182,3 +185,61 @@ def test_every_batch_size_of_a_workload_reuses_one_set():
         chunks = [c for c in x.split(dpfast.plan.splits.split_sizes(rows, 8)) if len(c)]
         torch.testing.assert_close(out, torch.cat([plain(c) for c in chunks]))
     assert dp._replicas.builds == 1
+
+
+_LEAF = st.sampled_from(["tensor", "grad tensor", 1, 2.5, True, "text", None])
+
+
+def _build(shape):
+    if isinstance(shape, str) and shape.endswith("tensor"):
+        return torch.ones(2, requires_grad=shape == "grad tensor") * 1
+    if isinstance(shape, list):
+        return [_build(s) for s in shape]
+    if isinstance(shape, tuple):
+        return tuple(_build(s) for s in shape)
+    if isinstance(shape, dict):
+        return {k: _build(s) for k, s in shape.items()}
+    return shape
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.recursive(
+        _LEAF,
+        lambda inner: (
+            st.lists(inner, max_size=4)
+            | st.lists(inner, max_size=4).map(tuple)
+            | st.dictionaries(st.sampled_from("abc"), inner, max_size=3)
+        ),
+        max_leaves=12,
+    )
+)
+def test_the_plain_outputs_walk_finds_what_flatten_finds(shape):
+    """The lease's token reaches the grad_fn of every tensor of the outputs: the walk of plain lists, tuples and
+    dicts finds the very tensors the full flatten finds."""
+    outputs = _build(shape)
+    got = _replicas._plain_tensors(outputs)
+    expected = [v for v in _replicas.flatten(outputs, whole_atoms=True)[0] if isinstance(v, torch.Tensor)]
+    assert got is not None and sorted(map(id, got)) == sorted(map(id, expected))
+
+
+def test_the_plain_outputs_walk_leaves_the_rest_to_flatten():
+    Pair = collections.namedtuple("Pair", "a b")
+    cyclic: list = [torch.ones(1)]
+    cyclic.append(cyclic)
+    for outputs in ([Pair(torch.ones(1), 2)], {"a": collections.OrderedDict(b=torch.ones(1))}, [object()], cyclic):
+        assert _replicas._plain_tensors(outputs) is None
+    assert _replicas._plain_tensors([[torch.ones(1)]] * 10, most=10) is None  # 11 containers
+    assert len(_replicas._plain_tensors([[torch.ones(1)]] * 10, most=11)) == 10
+
+    class Out(nn.Module):  # a namedtuple output still leases the set to its graph (through the full flatten)
+        def forward(self, x):
+            return Pair(x * 2, x.sum())
+
+    dp = dpfast.DataParallel(Out(), ["cpu"] * 2)
+    out = dp(torch.ones(4, 2, requires_grad=True))
+    rs = dp._replicas._sets[0]
+    assert rs.graph is not None and rs.graph() is not None
+    del out
+    gc.collect()
+    assert rs.graph() is None

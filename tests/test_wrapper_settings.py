@@ -78,6 +78,49 @@ def test_in_dims_assigned_or_changed_in_place():
         dp(x, mask=_x(5, 5))
 
 
+def test_a_setting_changed_in_place_inside_a_nested_spec_is_read():
+    """A spec holding a container (``{"pair": [0, 0]}``) changed inside it, the outer dict untouched: the next call
+    splits on the new axis (the settings' identity check cannot vouch for it; the fingerprint does)."""
+
+    class Pair(nn.Module):
+        def forward(self, pair):
+            return pair[0] * 1, pair[1] * 1
+
+    dp = dpfast.DataParallel(Pair(), ["cpu"] * 2, in_dims={"pair": [0, 0]}, out_dims=(0, 0))
+    a, b = _x(4, 3), _x(4, 6)
+    assert [r[2] for r in dp.plan([a, b]).replicas] == [2, 2]
+    settings = dp.__dict__["_settings"]
+    dp([a, b])
+    assert dp.__dict__["_settings"] is settings  # (kept while nothing changed)
+    dp.in_dims["pair"][1] = 1  # b (4, 6) is now split on its axis 1: B = 6 for a too, so a no longer fits
+    with pytest.raises(dpfast.ScatterError):
+        dp([a, b])
+    dp.out_dims = (0, 1)
+    out = dp([_x(6, 3), b])
+    torch.testing.assert_close(out[1], b)
+
+
+def test_settings_changed_in_place_to_the_same_length_are_read():
+    """A flat list or dict changed in place without changing its length (the identity check of what it holds)."""
+    m = Recorder().to(DT)
+    dp = dpfast.DataParallel(m, ["cpu"] * 2, chunk_sizes=[1, 1])
+    x = _x(6, 3)
+    assert _chunks(dp, x) == [3, 3]
+    dp.chunk_sizes[0] = 2  # in place: 2 : 1
+    assert _chunks(dp, x) == [4, 2]
+    dp.in_dims = {"mask": None}
+    mask = _x(4, 4)
+    torch.testing.assert_close(dp(x, mask=mask), m(x, mask=mask))
+    del dp.in_dims["mask"]
+    dp.in_dims["x"] = 0  # another key, the same length
+    with pytest.raises(dpfast.ScatterError):  # mask (4, 4) is split on dim 0 again: 4 != 6
+        dp(x, mask=mask)
+    settings = dp.__dict__["_settings"]
+    dp.device_ids[1] = torch.device("cpu")  # an equal value, another object: the settings are kept
+    dp(x)
+    assert dp.__dict__["_settings"] is settings
+
+
 def test_chunk_sizes_out_dims_and_cost_assigned():
     m = Recorder().to(DT)
     dp = dpfast.DataParallel(m, ["cpu"] * 3)

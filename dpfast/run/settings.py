@@ -6,7 +6,9 @@ torch's DataParallel reads ``self.device_ids``, ``self.dim`` and ``self.output_d
 a user assigns (or changes in place, ``dp.device_ids.pop()``) is what the next call runs with. Here too: a
 :class:`Settings` remembers a *fingerprint* of the values it was resolved from (and of the module and its
 ``forward``, whose signature ``in_dims`` names bind to), and the wrapper resolves anew at a call whose values no
-longer match it. An assignment is checked at once (an invalid value is refused and nothing changes).
+longer match it (the very same values, each flat container holding the very same atoms, match without computing
+the fingerprint: that is every ordinary call). An assignment is checked at once (an invalid value is refused and
+nothing changes).
 """
 
 from __future__ import annotations
@@ -129,6 +131,7 @@ class Settings:
         self._module, self._forward = module, _forward_identity(module)
         self._fingerprint = fingerprint(tuple(values.values()))
         self._out_dims = fingerprint(values["out_dims"])
+        self._seen, self._shallow = _identities(tuple(values.values()))
 
     def outputs_for(self, out_dims: Any) -> OutputSkeleton | None:
         """:attr:`outputs`, when ``out_dims`` (the wrapper's at the gather) is still the one these settings were
@@ -156,11 +159,40 @@ class Settings:
     def matches(self, module: nn.Module, values: Mapping[str, Any]) -> bool:
         """Whether ``values`` (the wrapper's attributes now, in :data:`NAMES` order) and ``module`` are still the
         ones these settings were resolved from."""
-        return (
-            module is self._module
-            and all(map(_is, _forward_identity(module), self._forward))
-            and fingerprint(tuple(values.values())) == self._fingerprint
-        )
+        if module is not self._module or not all(map(_is, _forward_identity(module), self._forward)):
+            return False
+        now = tuple(values.values())
+        if self._shallow is not None and all(map(_is, now, self._seen)):
+            # the very same values: only a container's contents can have changed, and each holds atoms only
+            shallow = self._shallow
+            if all(type(now[i]) is kind and _same_atoms(now[i], m, atoms) for i, kind, m, atoms in shallow):
+                return True
+        return fingerprint(now) == self._fingerprint
+
+
+def _atoms_of(value: list | tuple | Mapping, mapping: bool) -> list:
+    return [*value, *value.values()] if mapping else list(value)  # type: ignore[union-attr]
+
+
+def _same_atoms(value: list | tuple | Mapping, mapping: bool, atoms: list) -> bool:
+    items = _atoms_of(value, mapping)
+    return len(items) == len(atoms) and all(map(_is, items, atoms))
+
+
+def _identities(values: tuple) -> tuple[tuple, list[tuple[int, type, bool, list]] | None]:
+    """What :meth:`Settings.matches` checks by identity before it compares fingerprints: the values, and for each
+    container among them its type, whether it is a mapping, and the atoms it holds (a mapping's keys and values).
+    None when a container holds another container or an object: its contents can change without its atoms
+    changing, so only the fingerprint tells."""
+    shallow = []
+    for i, v in enumerate(values):
+        if isinstance(v, (list, tuple, Mapping)):
+            mapping = isinstance(v, Mapping)
+            atoms = _atoms_of(v, mapping)
+            if not all(isinstance(a, _ATOMS) for a in atoms):
+                return values, None
+            shallow.append((i, type(v), mapping, atoms))
+    return values, shallow
 
 
 def _forward_identity(module: nn.Module) -> tuple:

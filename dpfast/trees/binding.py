@@ -23,8 +23,9 @@ from .specs import ITEMS, Leaf, Spec, Walk, is_int, is_leaf_spec, path_text, val
 def forward_of(module: Any) -> Callable:
     """The ``forward`` whose signature names the arguments. ``torch.compile(model)`` returns a wrapper whose
     ``forward`` is ``(*args, **kwargs)``: names in ``in_dims`` would then bind to nothing, so look through it."""
-    inner = getattr(module, "_orig_mod", None)
-    if inner is not None and type(module).__name__ == "OptimizedModule":
+    # (the class's name first: a plain module's getattr of a missing name costs a raised AttributeError)
+    inner = getattr(module, "_orig_mod", None) if type(module).__name__ == "OptimizedModule" else None
+    if inner is not None:
         return forward_of(inner)
     return module.forward
 

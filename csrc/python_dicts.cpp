@@ -13,6 +13,8 @@
 #include "python_args.h"
 #include "python_fast.h"
 
+#include <torch/csrc/Exceptions.h>
+
 #include <vector>
 
 namespace dpfast {
@@ -73,6 +75,7 @@ PyObject* py_same_dicts(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 //   dict can run Python code (a value's __del__), which may change the lists: every dict is held first.
 //   NotImplemented (nothing changed) for lists of different lengths, or anything but exact lists/tuples of dicts.
 PyObject* py_restore_dicts(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS  // (a failed reserve must reach Python as MemoryError, not end the process)
   PyObject *const *lives, *const *saved;
   Py_ssize_t n, ns;
   if (nargs != 2 || !items_of(args[0], lives, n) || !items_of(args[1], saved, ns) || ns != n) {
@@ -97,6 +100,7 @@ PyObject* py_restore_dicts(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (PyDict_Update(live, from) < 0) return nullptr;
   }
   Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
 }
 
 PyMethodDef methods[] = {

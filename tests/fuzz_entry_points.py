@@ -4,7 +4,9 @@ Each round takes one private entry point of ``dpfast._C`` or ``dpfast._C_hooks``
 walk hooks, the ops' fast path, the entry points of many leaves, the replicas' dict checks) with valid arguments,
 then hides a hostile object in one of them: an int whose ``__index__`` empties, shrinks or grows the list it sits in
 (or every list of the call), raises, or returns a number past int64; an object whose ``__class__`` claims to be a
-Tensor; a list subclass whose ``__iter__`` and ``__len__`` lie. The oracle: the call gives exactly what the same
+Tensor; a list subclass whose ``__iter__`` and ``__len__`` lie; for the replicas' dict checks, keys and values whose
+``__eq__`` raises, and a value whose ``__del__`` (run when a restore clears its dict) empties the call's lists or
+its saved dicts. The oracle: the call gives exactly what the same
 call gives with a harmless object in the hostile one's place (the extension reads every list as it was when the call
 began), or the error that hook asks for (the exception ``__index__`` raised; a TypeError or ValueError for a number
 past int64 or an object that is no Tensor); the ops' fast path and the entry points of many leaves may decline
@@ -189,6 +191,70 @@ def hide(r: random.Random, args: list[Any]) -> tuple[list[Any], list[Any], str, 
     return benign, args, f"a list subclass whose __iter__ and __len__ lie at argument {where}", "lying list"
 
 
+class Explosive:
+    """A dict key or value whose ``__eq__`` raises: an identity check must never call it."""
+
+    def __eq__(self, other: object) -> bool:
+        raise Boom("raised by __eq__")
+
+    __hash__ = object.__hash__
+
+
+class Finalizer:
+    """A value only a live dict holds: clearing that dict runs its ``__del__``, which empties the call's lists
+    (``empty lists``) or every saved dict (``empty saved``)."""
+
+    def __init__(self, action: str, args: list[Any]):
+        self.action, self.args = action, args
+
+    def __del__(self) -> None:
+        if self.action == "empty lists":
+            for items in self.args:
+                items.clear()
+        else:
+            for d in self.args[1]:
+                d.clear()
+
+
+def dict_call(r: random.Random, name: str) -> tuple[Callable[[str], tuple], str]:
+    """A call of ``name`` on fresh dicts each time it is made (the benign and the hostile call each get their own:
+    a restore made by one must not leave the other nothing to do), and the action it is made with. The outcome
+    holds the return value and, for ``_restore_dicts``, every live dict's entries afterwards."""
+    sizes = [r.randrange(1, 6) for _ in range(r.randrange(1, 8))]
+    where = r.randrange(len(sizes))
+    if name == "same_dicts":
+        action = "explosive"
+        drop = [r.random() < 0.2 for _ in sizes]
+
+        def call_same(kind: str) -> tuple:
+            dicts = [{f"k{j}": int(str(300 + j)) for j in range(n)} for n in sizes]
+            key, value = (Explosive(), Explosive()) if kind == "hostile" else (object(), object())
+            dicts[where][key] = value
+            keys, values = [tuple(d) for d in dicts], [tuple(d.values()) for d in dicts]
+            lives = [{} if gone else dict(d) for d, gone in zip(dicts, drop)]
+            return outcome(C._same_dicts, [lives, keys, values])
+
+        return call_same, action
+    action = r.choice(["empty lists", "empty saved"])
+    extra = [r.random() < 0.5 for _ in sizes]
+
+    def call_restore(kind: str) -> tuple:
+        saved = [{f"k{j}": int(str(300 + j)) for j in range(n)} for n in sizes]
+        lives = [dict(d, extra=1) if more else dict(d) for d, more in zip(saved, extra)]
+        args = [list(lives), list(saved)]
+        before = [dict(d) for d in saved]
+        lives[where]["doomed"] = Finalizer(action, args) if kind == "hostile" else int(str(301))
+        got = outcome(C._restore_dicts, args)
+        if got[0] != "ok":
+            return got
+        if action == "empty saved" and kind == "hostile":  # restored from a saved dict before or after it emptied
+            fine = all(list(d.items()) in (list(b.items()), list(s.items())) for d, b, s in zip(lives, before, saved))
+            return ("ok", got[1], "each live dict holds its saved dict's entries" if fine else [dict(d) for d in lives])
+        return ("ok", got[1], [list(d.items()) for d in lives])
+
+    return call_restore, action
+
+
 def outcome(fn: Callable, args: list[Any]) -> tuple:
     try:
         return ("ok", fn(*args))
@@ -246,6 +312,17 @@ def run(seconds: float, seed: int, rounds: int, start_round: int = 0) -> int:
             if plain[0] != "ok" or plain[1] is NotImplemented:
                 print(f"FAIL seed {seed} round {round_no}: {name} declined or failed valid arguments: {short(plain)}")
                 return 1
+        if name in ("same_dicts", "restore_dicts") and r.random() < 0.5:  # Python code run inside the call
+            call, action = dict_call(r, name)
+            benign_got, got = call("benign"), call("hostile")
+            if action == "empty saved" and got[0] == "ok" and got[1] is None:
+                benign_got = ("ok", None, "each live dict holds its saved dict's entries")
+            if benign_got != got or (benign_got[0] == "ok" and benign_got[1] is NotImplemented):
+                why = f"the call gave {short(got)} where the same call without the hook gives {short(benign_got)}"
+                print(f"FAIL seed {seed} round {round_no}: {name} with an {action!r} object in a dict: {why}")
+                return 1
+            counts[action] = counts.get(action, 0) + 1
+            continue
         benign, args, hidden, action = hide(r, args)
         why = judge(name, action, outcome(fn, benign), outcome(fn, args))
         if why:

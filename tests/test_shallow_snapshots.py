@@ -173,3 +173,14 @@ def test_restore_of_a_dict_onto_itself_keeps_it(monkeypatch, fast):
     d = {"a": 1}
     restore([d], [d])
     assert d == {"a": 1}
+
+
+def test_lists_of_different_lengths_are_refused_not_cut_short():
+    """Snapshots for fewer dicts than given: the extension declines, and Python refuses rather than compare (or
+    restore) only as many as the shortest list."""
+    changed = {"a": 2}
+    with pytest.raises(ValueError, match="2 dicts for 1 key and 1 value snapshots"):
+        all_same([{"a": 1}, changed], [("a",)], [(1,)])
+    with pytest.raises(ValueError, match="2 dicts for 1 saved ones"):
+        restore([{}, changed], [{"a": 1}])
+    assert changed == {"a": 2}

@@ -209,8 +209,9 @@ _SCALARS = (int, float, bool, str, type(None))
 
 def _plain_tensors(outputs: Any, most: int = 4096) -> list | None:
     """The tensors of ``outputs`` when they are made of plain lists, tuples and dicts (exact types) of tensors and
-    scalars, as :func:`flatten` finds them; None for anything else (a dataclass, a namedtuple, a cycle: more than
-    ``most`` containers), which the full flatten reads."""
+    scalars: the tensors :func:`flatten` finds, in no particular order (each gets the same token); None for
+    anything else (a dataclass, a namedtuple, a cycle: more than ``most`` containers), which the full flatten
+    reads. (It does not bound the leaves as flatten does: outputs too large to gather are refused there.)"""
     found: list = []
     stack = [outputs]
     while stack:

@@ -6,9 +6,9 @@ torch's DataParallel reads ``self.device_ids``, ``self.dim`` and ``self.output_d
 a user assigns (or changes in place, ``dp.device_ids.pop()``) is what the next call runs with. Here too: a
 :class:`Settings` remembers a *fingerprint* of the values it was resolved from (and of the module and its
 ``forward``, whose signature ``in_dims`` names bind to), and the wrapper resolves anew at a call whose values no
-longer match it (the very same values, each flat container holding the very same atoms, match without computing
-the fingerprint: that is every ordinary call). An assignment is checked at once (an invalid value is refused and
-nothing changes).
+longer match it (the very same values, each container among them flat and holding the very same atoms, match
+without computing the fingerprint; a nested spec is always fingerprinted). An assignment is checked at once (an
+invalid value is refused and nothing changes).
 """
 
 from __future__ import annotations

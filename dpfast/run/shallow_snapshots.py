@@ -38,13 +38,19 @@ def all_same(dicts: Sequence[dict], keys: Sequence[tuple], values: Sequence[tupl
         out = _fast_same(dicts, keys, values)
         if out is not NotImplemented:  # (declined: an OrderedDict, whose order is not the dict's)
             return out
+    if not len(dicts) == len(keys) == len(values):  # (as the extension declines: never a check cut short)
+        raise ValueError(f"all_same: {len(dicts)} dicts for {len(keys)} key and {len(values)} value snapshots")
     return all(map(same, dicts, zip(keys, values)))
 
 
 def restore(lives: Sequence[dict], saved: Sequence[dict]) -> None:
-    """``lives[i]`` set back to hold exactly ``saved[i]``'s entries, in order (untouched where it does)."""
+    """``lives[i]`` set back to hold exactly ``saved[i]``'s entries, in order. (The extension leaves a dict that
+    already holds them untouched; here only a dict restored onto itself is: the others are cleared and updated,
+    with the same result.)"""
     if _fast_restore is not None and _fast_restore(lives, saved) is not NotImplemented:
         return
+    if len(lives) != len(saved):
+        raise ValueError(f"restore: {len(lives)} dicts for {len(saved)} saved ones")
     for live, d in zip(lives, saved):
         if live is d:
             continue

@@ -15,6 +15,7 @@ later one of the call fails at once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections.abc import Sequence
 from typing import Any, Callable
@@ -85,22 +86,29 @@ class Call:
         self._check = check  # validates a complete collective's deposits: an error message or None
         self._turn_ended = turn_ended  # told when a replica gives up its device's turn (still holding it)
         self.cond = threading.Condition()
+        self._waiting = 0  # threads waiting on cond (changed holding it): no one to wake, no notify
         self.progress = [_UNSTARTED] * self.n  # per replica: _UNSTARTED, _RUNNING, _BLOCKED, _READY or _DONE
         self.left = [""] * self.n  # how a done replica left: "returned" or "raised <type>"
-        self.on_device: list[list[int]] = []  # per distinct device, its replicas in index order
-        self.device_of: list[int] = []  # per replica, the index of its device in on_device
-        seen: dict[torch.device, int] = {}
-        for i, d in enumerate(self.devices):
-            g = seen.setdefault(d, len(seen))
-            if g == len(self.on_device):
-                self.on_device.append([])
-            self.on_device[g].append(i)
-            self.device_of.append(g)
+        # per distinct device, its replicas in index order; per replica, the index of its device in on_device
+        self.on_device, self.device_of = _groups(tuple(self.devices))
         self.baton: list[int | None] = [None] * len(self.on_device)
         self.entered = [0] * self.n
         self.open: Collective | None = None
         self.broken: CollectiveError | None = None
         self.start_errors: dict[int, BaseException] = {}  # replicas whose worker thread could not be started
+
+    def _wait(self) -> None:
+        """Wait on cond (held) until another thread wakes it."""
+        self._waiting += 1
+        try:
+            self.cond.wait()
+        finally:
+            self._waiting -= 1
+
+    def _wake(self) -> None:
+        """Wake every thread waiting on cond (held); a thread that has not begun to wait reads the state first."""
+        if self._waiting:
+            self.cond.notify_all()
 
     # -- running -----------------------------------------------------------------------------------------------
 
@@ -117,7 +125,7 @@ class Call:
         with self.cond:
             try:
                 while any(s != _DONE for s in self.progress):
-                    self.cond.wait()
+                    self._wait()
             except BaseException as exc:  # Ctrl-C while this thread waits: no replica starts after it
                 self._stop(type(exc).__name__)
                 raise
@@ -133,7 +141,7 @@ class Call:
             self._fail(self.open, CollectiveError(f"the call was interrupted ({why})", secondary=True))
         elif self.broken is None:
             self.broken = CollectiveError(f"the call was interrupted ({why})", secondary=True)
-        self.cond.notify_all()
+        self._wake()
 
     def _could_not_start(self, g: int, j: int, exc: BaseException) -> None:
         """Replica ``j`` never ran (its thread could not start): it has left, and the turn moves on."""
@@ -143,7 +151,7 @@ class Call:
         self._settle()
         if self.baton[g] == j:
             self._pass(g, j, free=False)
-        self.cond.notify_all()
+        self._wake()
 
     def _start(self, g: int) -> int:
         with self.cond:
@@ -173,7 +181,7 @@ class Call:
                     self._stop(left.replace("raised ", "", 1))
                 self._settle()  # a collective this replica left behind fails, and may hand the turn on itself
                 i = self._pass(g, i, free=True) if self.baton[g] == i else None
-                self.cond.notify_all()
+                self._wake()
 
     def _pass(self, g: int, after: int, free: bool) -> int | None:
         """Give device ``g``'s turn to the next replica after ``after`` that can run. An unstarted one runs in this
@@ -184,7 +192,7 @@ class Call:
             if self.progress[j] in (_UNSTARTED, _READY):
                 self.baton[g] = j
                 if self.progress[j] == _READY:
-                    self.cond.notify_all()  # its own thread is waiting for the turn
+                    self._wake()  # its own thread is waiting for the turn
                     return None
                 self.progress[j] = _RUNNING
                 if free:
@@ -229,7 +237,7 @@ class Call:
                 if not coll.done:
                     self._pass(g, i, free=False)
             while not (coll.done and self.baton[g] == i):
-                self.cond.wait()
+                self._wait()
             self.progress[i] = _RUNNING
             if coll.error is not None:
                 # a fresh exception per replica: the stored one raised in several threads would collect all their
@@ -283,7 +291,22 @@ class Call:
             # mid-turn) or one handed it but not yet awake. Else the lowest-index waiting replica goes first.
             if ready and (holder is None or holder in ready or self.progress[holder] == _DONE):
                 self.baton[g] = ready[0]
-        self.cond.notify_all()
+        self._wake()
+
+
+@functools.lru_cache(maxsize=64)
+def _groups(devices: tuple[torch.device, ...]) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    """The replicas of each distinct device of ``devices``, in index order, and each replica's device group."""
+    on_device: list[list[int]] = []
+    device_of: list[int] = []
+    seen: dict[torch.device, int] = {}
+    for i, d in enumerate(devices):
+        g = seen.setdefault(d, len(seen))
+        if g == len(on_device):
+            on_device.append([])
+        on_device[g].append(i)
+        device_of.append(g)
+    return tuple(map(tuple, on_device)), tuple(device_of)
 
 
 class _Solo:

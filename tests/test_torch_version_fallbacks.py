@@ -11,12 +11,14 @@ from torch import nn
 
 import dpfast
 from dpfast.ext import torch_compat as _compat
+from dpfast.run import execute as _execute
 
 
 @pytest.fixture
 def without_query(monkeypatch):
     """This torch as if it were older than 2.8: no way to read the thread's saved-tensor hooks."""
     monkeypatch.delattr(torch._C._autograd, "_top_saved_tensors_default_hooks", raising=False)
+    monkeypatch.setattr(_execute, "_TOP_SAVED_TENSORS_HOOKS", None)  # (read once, when dpfast is imported)
 
 
 class _TakingTurns(nn.Sequential):

@@ -35,15 +35,17 @@ class _CallerContext:
         self.grad = torch.is_grad_enabled()
         self.inference = torch.is_inference_mode_enabled()
         self.autocast: dict[str, tuple[torch.dtype, bool]] = {}
-        for dtype in sorted({d.type for d in devices}):
+        types = {d.type for d in devices}
+        for dtype in sorted(types) if len(types) > 1 else types:
             st = _autocast_state(dtype)
             if st is not None:
                 self.autocast[dtype] = st
         self.saved_tensors_hooks, self.hooks_unreadable = _saved_tensors_hooks()
         self.streams: dict[torch.device, Any] = {}
-        for d in devices:
-            if d.type == "cuda" and d not in self.streams:
-                self.streams[d] = torch.cuda.current_stream(d)
+        if "cuda" in types:
+            for d in devices:
+                if d.type == "cuda" and d not in self.streams:
+                    self.streams[d] = torch.cuda.current_stream(d)
 
     def enter(self, device: torch.device, stack: contextlib.ExitStack) -> None:
         if self.inference:
@@ -59,10 +61,13 @@ class _CallerContext:
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*self.saved_tensors_hooks))
 
 
+_TOP_SAVED_TENSORS_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # torch >= 2.8
+
+
 def _saved_tensors_hooks() -> tuple[tuple[Callable, Callable] | None, bool]:
     """The innermost ``(pack, unpack)`` saved-tensor hooks of this thread (the only ones that apply), or None; and
     whether some are set that this torch cannot read (< 2.8: the workers then run without them, with a warning)."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    top = _TOP_SAVED_TENSORS_HOOKS
     if top is None:
         from ..ext.torch_compat import saved_tensors_hooks_set
 

@@ -39,6 +39,7 @@ call: correct, and no slower than torch's replicate.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 import threading
@@ -85,6 +86,18 @@ def _slots(source: torch.device, devices: Sequence[torch.device]) -> list[tuple[
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _layout(source: torch.device, devices: tuple[torch.device, ...]) -> tuple[tuple, tuple, tuple[int, ...]]:
+    """What a lease on ``devices`` uses, checked once per device list: :func:`_slots`, the replicas' slots alone,
+    and the entries on ``source`` (the module itself first, then its replicas). Raises as :func:`_check_copyable`
+    (an exception is not cached)."""
+    slot_of = tuple(_slots(source, devices))
+    slots = tuple(s for s in slot_of if s is not None)
+    if slots:
+        _check_copyable(source, [d for d, _ in slots])
+    return slot_of, slots, tuple(i for i, d in enumerate(devices) if d == source)
+
+
 def _check_copyable(source: torch.device, devices: Sequence[torch.device]) -> None:
     others = [d for d in dict.fromkeys(devices) if d != source]
     if others and (source.type != "cuda" or any(d.type != "cuda" for d in others)):
@@ -120,7 +133,7 @@ class _ReplicaSet:
         token = self.graph() if self.graph is not None else None
         return token is not None and self._refcounts() != self._own_refs
 
-    def refresh(self, slots: list[tuple[torch.device, int]], source: torch.device) -> list[nn.Module]:
+    def refresh(self, slots: Sequence[tuple[torch.device, int]], source: torch.device) -> list[nn.Module]:
         """This call's tensors into ``slots``' replicas (built if new); the other replicas drop theirs."""
         self.graph = None
         for key in slots:
@@ -271,11 +284,9 @@ class ReplicaCache:
     def lease(self, module: nn.Module, source: torch.device, devices: Sequence[torch.device]) -> Lease:
         """One module per entry of ``devices`` (``module`` itself for the first on ``source``, a replica for every
         other), refreshed for this call; :meth:`Lease.end` when the call's forward has run."""
-        slot_of = _slots(source, devices)
-        slots = [s for s in slot_of if s is not None]
+        slot_of, slots, on_source = _layout(source, tuple(devices))
         if not slots:
             return Lease(None, None, [module] * len(devices), None)
-        _check_copyable(source, [d for d, _ in slots])
         rs, stale = self._take(module)
         _clear_free(stale)
         try:
@@ -286,7 +297,6 @@ class ReplicaCache:
             raise
         modules = [module if s is None else next(replicas) for s in slot_of]
         watch = None
-        on_source = [i for i, d in enumerate(devices) if d == source]  # the module itself first, then its replicas
         if len(on_source) > 1:
             watch = WriteWatch(rs.snapshot, on_source, self.reported)
         return Lease(self, rs, modules, watch)

@@ -198,7 +198,9 @@ class DataParallel(SettingsAttributes, nn.DataParallel):
         settings = self._current_settings()  # (checked once a call: it compares every attribute with the last)
         if not settings.devices:
             return self.module(*inputs, **kwargs)
-        if any(getattr(type(self), h) is not getattr(DataParallel, h) for h in _HOOKS):
+        if type(self) is not DataParallel and any(
+            getattr(type(self), h) is not getattr(DataParallel, h) for h in _HOOKS
+        ):
             return self._run_through_hooks(inputs, kwargs)
         return self._run(self._plan_call(inputs, kwargs, settings))
 

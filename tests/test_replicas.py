@@ -439,6 +439,17 @@ def test_device_check_sees_changes_after_the_first_call():
     src.out.add_module("late", nn.Linear(1, 1, device="meta"))  # deeper in the tree, after the cache was built
     with pytest.raises(RuntimeError, match="found one of them on device: meta"):
         dp(_x(4))
+    del src.out.late
+    dp(_x(4))
+    weight = src.out.weight
+    src.out.weight = nn.Parameter(weight.detach().to("meta"))  # replaced under the same name
+    with pytest.raises(RuntimeError, match="found one of them on device: meta"):
+        dp(_x(4))
+    src.out.weight = weight
+    dp(_x(4))
+    src.out.register_buffer("seen", torch.zeros(1, dtype=DT, device="meta"))  # a buffer
+    with pytest.raises(RuntimeError, match="found one of them on device: meta"):
+        dp(_x(4))
 
 
 @pytest.mark.parametrize("where", ["the module", "a submodule", "in place"])

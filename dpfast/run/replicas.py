@@ -74,6 +74,10 @@ def check_module_device(module: nn.Module, source: torch.device) -> None:
             )
 
 
+def _tree_dicts(modules: list[nn.Module]) -> list[dict]:
+    return [d for m in modules for d in (m._modules, m._parameters, m._buffers)]
+
+
 def _slots(source: torch.device, devices: Sequence[torch.device]) -> list[tuple[torch.device, int] | None]:
     """For each entry of ``devices``: None (the module itself: the first entry on the source device), or the slot
     of its replica, ``(device, how many replicas on that device come before it)``."""
@@ -258,23 +262,26 @@ class ReplicaCache:
     def __reduce__(self):  # deepcopy / pickle of the owning DataParallel: start empty
         return (ReplicaCache, ())
 
-    def modules_of(self, root: nn.Module) -> list[nn.Module]:
-        """``list(root.modules())``, cached while no module's ``_modules`` changed (one identity check each)."""
+    def _tree(self, root: nn.Module) -> tuple[list[nn.Module], list[torch.Tensor]]:
+        """``list(root.modules())`` and their parameters and buffers (tied ones as often as they are held), cached
+        while no module's ``_modules``, ``_parameters`` or ``_buffers`` changed (one identity check each, in one
+        call)."""
         cached = self._module_list
-        if cached is not None and cached[0] is root and all_same([m._modules for m in cached[1]], *cached[2:]):
-            return cached[1]
+        if cached is not None and cached[0] is root and all_same(_tree_dicts(cached[1]), *cached[2:4]):
+            return cached[1], cached[4]
         modules = list(root.modules())
-        snaps = [snap(m._modules) for m in modules]
-        self._module_list = (root, modules, [k for k, _ in snaps], [v for _, v in snaps])
-        return modules
+        dicts = _tree_dicts(modules)
+        snaps = [snap(d) for d in dicts]
+        tensors = [t for m in modules for d in (m._parameters, m._buffers) for t in d.values() if t is not None]
+        self._module_list = (root, modules, [k for k, _ in snaps], [v for _, v in snaps], tensors)
+        return modules, tensors
 
     def check_module_device(self, root: nn.Module, source: torch.device) -> None:
         """:func:`check_module_device` without walking the module tree through generators at every step."""
-        for m in self.modules_of(root):
-            for t in itertools.chain(m._parameters.values(), m._buffers.values()):
-                if t is not None and t.device != source:
-                    check_module_device(root, source)  # the full walk and its message
-                    return
+        for t in self._tree(root)[1]:
+            if t.device != source:
+                check_module_device(root, source)  # the full walk and its message
+                return
 
     def forget(self, rs: _ReplicaSet) -> None:
         with self._lock:

@@ -36,7 +36,7 @@ class _CallerContext:
         self.inference = torch.is_inference_mode_enabled()
         self.autocast: dict[str, tuple[torch.dtype, bool]] = {}
         types = {d.type for d in devices}
-        for dtype in sorted(types) if len(types) > 1 else types:
+        for dtype in sorted(types):
             st = _autocast_state(dtype)
             if st is not None:
                 self.autocast[dtype] = st

@@ -129,9 +129,10 @@ class Settings:
         # settings, and with them a new one)
         self.outputs = OutputSkeleton()
         self._module, self._forward = module, _forward_identity(module)
-        self._fingerprint = fingerprint(tuple(values.values()))
+        self._seen = tuple(values.values())
+        self._fingerprint = fingerprint(self._seen)
         self._out_dims = fingerprint(values["out_dims"])
-        self._seen, self._shallow = _identities(tuple(values.values()))
+        self._shallow = _flat_containers(self._seen)
 
     def outputs_for(self, out_dims: Any) -> OutputSkeleton | None:
         """:attr:`outputs`, when ``out_dims`` (the wrapper's at the gather) is still the one these settings were
@@ -179,20 +180,20 @@ def _same_atoms(value: list | tuple | Mapping, mapping: bool, atoms: list) -> bo
     return len(items) == len(atoms) and all(map(_is, items, atoms))
 
 
-def _identities(values: tuple) -> tuple[tuple, list[tuple[int, type, bool, list]] | None]:
-    """What :meth:`Settings.matches` checks by identity before it compares fingerprints: the values, and for each
-    container among them its type, whether it is a mapping, and the atoms it holds (a mapping's keys and values).
-    None when a container holds another container or an object: its contents can change without its atoms
-    changing, so only the fingerprint tells."""
+def _flat_containers(values: tuple) -> list[tuple[int, type, bool, list]] | None:
+    """What :meth:`Settings.matches` checks by identity, beside the values themselves, before it compares
+    fingerprints: for each container among ``values`` its index, type, whether it is a mapping, and the atoms it
+    holds (a mapping's keys and values). None when a container holds another container or an object: its contents
+    can change without its atoms changing, so only the fingerprint tells."""
     shallow = []
     for i, v in enumerate(values):
         if isinstance(v, (list, tuple, Mapping)):
             mapping = isinstance(v, Mapping)
             atoms = _atoms_of(v, mapping)
             if not all(isinstance(a, _ATOMS) for a in atoms):
-                return values, None
+                return None
             shallow.append((i, type(v), mapping, atoms))
-    return values, shallow
+    return shallow
 
 
 def _forward_identity(module: nn.Module) -> tuple:

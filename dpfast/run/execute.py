@@ -13,6 +13,7 @@ propagate unchanged.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable
@@ -35,8 +36,8 @@ class _CallerContext:
         self.grad = torch.is_grad_enabled()
         self.inference = torch.is_inference_mode_enabled()
         self.autocast: dict[str, tuple[torch.dtype, bool]] = {}
-        types = {d.type for d in devices}
-        for dtype in sorted(types):
+        types = _types(tuple(devices))
+        for dtype in types:
             st = _autocast_state(dtype)
             if st is not None:
                 self.autocast[dtype] = st
@@ -124,10 +125,12 @@ def run_replicas(
     context = _CallerContext(devices)
     tasks: list[threading.Event] = []
 
+    on_cuda = _on_cuda(tuple(devices))
+
     def run(i: int) -> BaseException | None:
         try:
             args, kwargs = inputs[i]
-            if devices[i].type == "cuda":
+            if on_cuda[i]:
                 with torch.cuda.device(devices[i]):
                     results[i] = modules[i](*args, **kwargs)
             else:  # (a rehearsal's replicas: no guard to enter)
@@ -155,6 +158,16 @@ def run_replicas(
         results.clear()  # the exception's traceback holds run()'s frame, whose closure holds these lists
         _raise_first(errors, devices)
     return results
+
+
+@functools.lru_cache(maxsize=64)
+def _types(devices: tuple[torch.device, ...]) -> tuple[str, ...]:
+    return tuple(sorted({d.type for d in devices}))
+
+
+@functools.lru_cache(maxsize=64)
+def _on_cuda(devices: tuple[torch.device, ...]) -> tuple[bool, ...]:
+    return tuple(d.type == "cuda" for d in devices)
 
 
 def _spawner(pool: WorkerPool, context: _CallerContext, tasks: list[threading.Event]) -> Callable:

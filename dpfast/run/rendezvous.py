@@ -85,12 +85,14 @@ class Call:
         self._spawn = spawn
         self._check = check  # validates a complete collective's deposits: an error message or None
         self._turn_ended = turn_ended  # told when a replica gives up its device's turn (still holding it)
-        self.cond = threading.Condition()
+        # entered through its lock (a Condition's own __enter__ is Python code): the same lock, held as cond wants
+        self._lock = threading.RLock()
+        self.cond = threading.Condition(self._lock)
         self._waiting = 0  # threads waiting on cond (changed holding it): no one to wake, no notify
         self.progress = [_UNSTARTED] * self.n  # per replica: _UNSTARTED, _RUNNING, _BLOCKED, _READY or _DONE
         self.left = [""] * self.n  # how a done replica left: "returned" or "raised <type>"
         # per distinct device, its replicas in index order; per replica, the index of its device in on_device
-        self.on_device, self.device_of = _groups(tuple(self.devices))
+        self.on_device, self.device_of, self._after = _groups(tuple(self.devices))
         self.baton: list[int | None] = [None] * len(self.on_device)
         self.entered = [0] * self.n
         self.open: Collective | None = None
@@ -119,12 +121,12 @@ class Call:
             try:
                 self._spawn(lambda g=g, first=first: self._run_group(g, first), self.devices[first])
             except Exception as exc:  # noqa: BLE001 - as in _pass
-                with self.cond:
+                with self._lock:
                     self._could_not_start(g, first, exc)
         self._run_group(0, self._start(0))
-        with self.cond:
+        with self._lock:
             try:
-                while any(s != _DONE for s in self.progress):
+                while self.progress.count(_DONE) != self.n:
                     self._wait()
             except BaseException as exc:  # Ctrl-C while this thread waits: no replica starts after it
                 self._stop(type(exc).__name__)
@@ -154,7 +156,7 @@ class Call:
         self._wake()
 
     def _start(self, g: int) -> int:
-        with self.cond:
+        with self._lock:
             first = self.on_device[g][0]
             self.baton[g] = first
             self.progress[first] = _RUNNING
@@ -162,8 +164,9 @@ class Call:
 
     def _run_group(self, g: int, i: int | None) -> None:
         """Run replica ``i`` here, then whichever unstarted replica of the device gets the turn after it."""
+        previous = getattr(_LOCAL, "call", None)
+        turn_ended = self._turn_ended
         while i is not None:
-            previous = getattr(_LOCAL, "call", None)
             _LOCAL.call = (self, i)
             try:
                 exc = self._run(i)
@@ -172,23 +175,22 @@ class Call:
                 del exc  # this frame is the f_back of one in exc's traceback: naming exc would make a cycle
             finally:
                 _LOCAL.call = previous
-            if self._turn_ended is not None:
-                self._turn_ended(i)
-            with self.cond:
+            if turn_ended is not None:
+                turn_ended(i)
+            with self._lock:
                 self.progress[i] = _DONE
                 self.left[i] = left
                 if stop:
                     self._stop(left.replace("raised ", "", 1))
-                self._settle()  # a collective this replica left behind fails, and may hand the turn on itself
+                if self.open is not None:
+                    self._settle()  # a collective this replica left behind fails, and may hand the turn on itself
                 i = self._pass(g, i, free=True) if self.baton[g] == i else None
                 self._wake()
 
     def _pass(self, g: int, after: int, free: bool) -> int | None:
         """Give device ``g``'s turn to the next replica after ``after`` that can run. An unstarted one runs in this
         thread when it is ``free`` (returned: then its index is returned), else on a new worker."""
-        members = self.on_device[g]
-        k = members.index(after)
-        for j in members[k + 1 :] + members[: k + 1]:
+        for j in self._after[after]:
             if self.progress[j] in (_UNSTARTED, _READY):
                 self.baton[g] = j
                 if self.progress[j] == _READY:
@@ -213,7 +215,7 @@ class Call:
         g = self.device_of[i]
         if self._turn_ended is not None:
             self._turn_ended(i)
-        with self.cond:
+        with self._lock:
             self.entered[i] += 1
             if self.broken is not None:
                 raise CollectiveError(str(self.broken), secondary=True) from None
@@ -295,8 +297,9 @@ class Call:
 
 
 @functools.lru_cache(maxsize=64)
-def _groups(devices: tuple[torch.device, ...]) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
-    """The replicas of each distinct device of ``devices``, in index order, and each replica's device group."""
+def _groups(devices: tuple[torch.device, ...]) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...], tuple]:
+    """The replicas of each distinct device of ``devices``, in index order; each replica's device group; and for
+    each replica, its group's members in the order the turn goes round after it (it last)."""
     on_device: list[list[int]] = []
     device_of: list[int] = []
     seen: dict[torch.device, int] = {}
@@ -306,7 +309,12 @@ def _groups(devices: tuple[torch.device, ...]) -> tuple[tuple[tuple[int, ...], .
             on_device.append([])
         on_device[g].append(i)
         device_of.append(g)
-    return tuple(map(tuple, on_device)), tuple(device_of)
+    after = []
+    for i, g in enumerate(device_of):
+        members = on_device[g]
+        k = members.index(i)
+        after.append(tuple(members[k + 1 :] + members[: k + 1]))
+    return tuple(map(tuple, on_device)), tuple(device_of), tuple(after)
 
 
 class _Solo:

@@ -161,6 +161,7 @@ class Replica:
                     theirs = m.__dict__[name]
                     r.__dict__[name] = mine = OrderedDict((k, rebind(h, replica_of)) for k, h in theirs.items())
                     self._hook_pairs.append((mine, theirs))
+        self._hook_dicts = [d for pair in self._hook_pairs for d in pair]  # all of them, for the empty test
         self.holds_tensors = False  # a call's tensors are in the slots
         self.dirty = False  # written for a call since the last undo (its forward may have changed the copies)
         # each copy's __dict__, _parameters, _buffers and _modules, and what they held when built
@@ -168,8 +169,8 @@ class Replica:
         self._pristine = [dict(d) for d in self._live]
 
     def write(self, params: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
-        """This call's parameters (the module's own, or a copy) and buffers (this replica's own) into the slots."""
-        self.undo()
+        """This call's parameters (the module's own, or a copy) and buffers (this replica's own) into the slots
+        (after :func:`undo_all` of this replica)."""
         self.sync_hooks()
         for r, key, k, flat in self.param_slots:
             t = params[k]
@@ -199,19 +200,34 @@ class Replica:
         self.holds_tensors = False
 
     def undo(self) -> None:
-        """Attributes, submodules, buffers or hooks a forward set: back to the module's. (Restoring every copy is
-        cheaper than checking which ones changed.)"""
-        if not self.dirty:
-            return
-        live = self._live
-        live[::4] = [r.__dict__ for r in self.modules]  # (a __dict__ can be replaced; the other three are in it)
-        restore(live, self._pristine)
-        self.dirty = False
+        """Attributes, submodules, buffers or hooks a forward set: back to the module's."""
+        undo_all([self])
 
     def sync_hooks(self) -> None:
         """The module's hooks as they are now (the same hook ids in the same order), rebound to this replica. (The
         dicts are the same objects while the snapshot is valid: a module's hook dicts are never replaced.)"""
+        if not any(self._hook_dicts):  # no hook on either side (the usual case): in step, in one pass in C
+            return
         for mine, theirs in self._hook_pairs:
             if (mine or theirs) and (len(mine) != len(theirs) or any(map(operator.ne, mine, theirs))):
                 mine.clear()
                 mine.update((k, rebind(h, self._replica_of)) for k, h in theirs.items())
+
+
+_DICT_OF = operator.attrgetter("__dict__")
+
+
+def undo_all(replicas: list[Replica]) -> None:
+    """:meth:`Replica.undo` of every replica, in one restore. (Restoring every copy is cheaper than checking which
+    ones changed.)"""
+    live, pristine = [], []
+    for replica in replicas:
+        if replica.dirty:
+            own = replica._live
+            own[::4] = map(_DICT_OF, replica.modules)  # (a __dict__ can be replaced; the other three are in it)
+            live += own
+            pristine += replica._pristine
+    if live:
+        restore(live, pristine)
+        for replica in replicas:
+            replica.dirty = False

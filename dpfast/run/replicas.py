@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 import sys
 import threading
 import weakref
@@ -52,7 +53,7 @@ from torch import nn
 
 from ..move.broadcast import broadcast, buffer_copies, fresh
 from ..trees.flatten import flatten
-from .replica_copies import Replica, SourceSnapshot
+from .replica_copies import Replica, SourceSnapshot, undo_all
 from .shallow_snapshots import all_same, snap
 from .write_watch import WriteWatch
 
@@ -74,8 +75,13 @@ def check_module_device(module: nn.Module, source: torch.device) -> None:
             )
 
 
+_TREE_DICTS = operator.attrgetter("_modules", "_parameters", "_buffers")
+_IS_CPU = operator.attrgetter("is_cpu")
+_CPU = torch.device("cpu")
+
+
 def _tree_dicts(modules: list[nn.Module]) -> list[dict]:
-    return [d for m in modules for d in (m._modules, m._parameters, m._buffers)]
+    return list(itertools.chain.from_iterable(map(_TREE_DICTS, modules)))
 
 
 def _slots(source: torch.device, devices: Sequence[torch.device]) -> list[tuple[torch.device, int] | None]:
@@ -100,6 +106,16 @@ def _layout(source: torch.device, devices: tuple[torch.device, ...]) -> tuple[tu
     if slots:
         _check_copyable(source, [d for d, _ in slots])
     return slot_of, slots, tuple(i for i, d in enumerate(devices) if d == source)
+
+
+@functools.lru_cache(maxsize=64)
+def _groups_of(slots: tuple, source: torch.device, copy_on_source: bool) -> tuple[tuple, tuple, tuple]:
+    """Each slot's parameter group: replicas on the source device use the module's own parameters (group None);
+    each other device gets one copy shared by its replicas (the test switch: one copy per source-device replica).
+    Also the groups that are copies, and their devices."""
+    groups = tuple(None if d == source and not copy_on_source else (d, k if d == source else 0) for d, k in slots)
+    copy_groups = tuple(dict.fromkeys(g for g in groups if g is not None))
+    return groups, copy_groups, tuple(g[0] for g in copy_groups)
 
 
 def _check_copyable(source: torch.device, devices: Sequence[torch.device]) -> None:
@@ -144,34 +160,33 @@ class _ReplicaSet:
             if key not in self.replicas:
                 self.replicas[key] = Replica(self.snapshot)
                 self._flat.extend(self.replicas[key].modules)
-        used = set(slots)
-        for key, replica in self.replicas.items():
-            if key not in used:
-                replica.clear()
+        used = [self.replicas[key] for key in slots]
+        undo_all(used)
+        if len(used) < len(self.replicas):
+            for key, replica in self.replicas.items():
+                if key not in slots:
+                    replica.clear()
         detach = not torch.is_grad_enabled()
         params, buffers = self.snapshot.params, self.snapshot.buffers  # the module's very tensors, while valid
-        # Parameter groups: replicas on the source device use the module's own parameters (group None); each other
-        # device gets one copy shared by its replicas (the test switch: one copy per source-device replica).
-        groups: list[Any] = [None if d == source and not _COPY_ON_SOURCE_DEVICE else (d, k if d == source else 0)
-                             for d, k in slots]  # fmt: skip
-        copy_groups = list(dict.fromkeys(g for g in groups if g is not None))
-        copy_devices = [g[0] for g in copy_groups]
-        pcopies = broadcast(params, source, copy_devices, detach)
-        bcopies = buffer_copies(buffers, source, copy_devices, detach)
+        groups, copy_groups, copy_devices = _groups_of(tuple(slots), source, _COPY_ON_SOURCE_DEVICE)
+        if copy_devices:
+            pcopies = broadcast(params, source, copy_devices, detach)
+            bcopies = buffer_copies(buffers, source, copy_devices, detach)
         taken: set = set()
-        for key, g in zip(slots, groups):
+        for replica, g in zip(used, groups):
             # every replica gets buffers of its own: the first on a copy device takes that device's copy, the
             # others (and the replicas on the source device) clone theirs
             if g is None:
-                own = [fresh(b, detach) for b in buffers]
+                own = [fresh(b, detach) for b in buffers] if buffers else buffers
                 mine = params
             else:
                 c = copy_groups.index(g)
                 own = bcopies[c] if g not in taken else [fresh(b, detach) for b in bcopies[c]]
                 taken.add(g)
                 mine = pcopies[c]
-            self.replicas[key].write(mine, own)
-        self._own_refs = self._refcounts()  # (before the list below: no local may hold a replica module then)
+            replica.write(mine, own)
+        used = replica = None  # (no local may hold a replica module when the counts are taken)
+        self._own_refs = self._refcounts()
         return [self.replicas[key].root for key in slots]
 
     def clear(self) -> None:
@@ -278,7 +293,10 @@ class ReplicaCache:
 
     def check_module_device(self, root: nn.Module, source: torch.device) -> None:
         """:func:`check_module_device` without walking the module tree through generators at every step."""
-        for t in self._tree(root)[1]:
+        tensors = self._tree(root)[1]
+        if source == _CPU and all(map(_IS_CPU, tensors)):  # (no device object made per tensor)
+            return
+        for t in tensors:
             if t.device != source:
                 check_module_device(root, source)  # the full walk and its message
                 return

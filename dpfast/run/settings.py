@@ -13,6 +13,7 @@ invalid value is refused and nothing changes).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any
@@ -160,10 +161,10 @@ class Settings:
     def matches(self, module: nn.Module, values: Mapping[str, Any]) -> bool:
         """Whether ``values`` (the wrapper's attributes now, in :data:`NAMES` order) and ``module`` are still the
         ones these settings were resolved from."""
-        if module is not self._module or not all(map(_is, _forward_identity(module), self._forward)):
+        if module is not self._module or not all(map(operator.is_, _forward_identity(module), self._forward)):
             return False
         now = tuple(values.values())
-        if self._shallow is not None and all(map(_is, now, self._seen)):
+        if self._shallow is not None and all(map(operator.is_, now, self._seen)):
             # the very same values: only a container's contents can have changed, and each holds atoms only
             shallow = self._shallow
             if all(type(now[i]) is kind and _same_atoms(now[i], m, atoms) for i, kind, m, atoms in shallow):
@@ -177,7 +178,7 @@ def _atoms_of(value: list | tuple | Mapping, mapping: bool) -> list:
 
 def _same_atoms(value: list | tuple | Mapping, mapping: bool, atoms: list) -> bool:
     items = _atoms_of(value, mapping)
-    return len(items) == len(atoms) and all(map(_is, items, atoms))
+    return len(items) == len(atoms) and all(map(operator.is_, items, atoms))
 
 
 def _flat_containers(values: tuple) -> list[tuple[int, type, bool, list]] | None:
@@ -201,7 +202,3 @@ def _forward_identity(module: nn.Module) -> tuple:
     object at every attribute read)."""
     forward = forward_of(module)
     return getattr(forward, "__func__", forward), getattr(forward, "__self__", None)
-
-
-def _is(a: Any, b: Any) -> bool:
-    return a is b

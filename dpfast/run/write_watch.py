@@ -16,6 +16,7 @@ wrapper, after the call (in the caller's thread), as a ``RuntimeWarning`` naming
 from __future__ import annotations
 
 import itertools
+import operator
 import warnings
 from collections.abc import Iterable, Sequence
 
@@ -24,10 +25,13 @@ from torch import Tensor
 from .replica_copies import SourceSnapshot, tensors_of
 from .shallow_snapshots import all_same, snap
 
+_VERSION = operator.attrgetter("_version")
+_DICT_OF = operator.attrgetter("__dict__")
+
 
 def _versions(tensors: Iterable[Tensor]) -> list[int]:
     try:
-        return [t._version for t in tensors]
+        return list(map(_VERSION, tensors))
     except RuntimeError:  # an inference tensor has no version counter
         return [-1 if t.is_inference() else t._version for t in tensors]
 
@@ -46,7 +50,7 @@ class WriteWatch:
     def _take(self) -> tuple:
         """The modules' ``__dict__`` snapshots, their tensors and the tensors' versions, as they are now."""
         s = self.snapshot
-        dicts = [m.__dict__ for m in s.modules]
+        dicts = list(map(_DICT_OF, s.modules))
         if all_same(dicts + s.own_dicts, s.keys, s.values):  # as the replicas were copied: what was read then holds
             keys, values, tensors = s.dict_keys, s.dict_values, s.tensors()
         else:
@@ -64,7 +68,7 @@ class WriteWatch:
             return
         keys, values, tensors, versions = state
         # the same attributes (by identity: a new tensor attribute is a change too), and each tensor's version
-        if all_same([m.__dict__ for m in self.snapshot.modules], keys, values) and _versions(tensors) == versions:
+        if all_same(list(map(_DICT_OF, self.snapshot.modules)), keys, values) and _versions(tensors) == versions:
             return
         self._report(i, keys, values, tensors, versions)
         self._state = self._take()

@@ -143,6 +143,8 @@ def _scenarios(world):
     out["buffers_without_check_batch"] = _buffers_without_check_batch
     out["no_tensor_to_split"] = _no_tensor_to_split
     out["mismatched_batch"] = _mismatched_batch
+    out["kept_calls_gathered"] = functools.partial(_kept_calls, True)
+    out["kept_calls_local"] = functools.partial(_kept_calls, False)
     out["one_rank_bad_inputs"] = _one_rank_bad_inputs
     out["mismatched_values"] = _mismatched_values
     out["one_rank_bad_structure"] = _one_rank_bad_structure
@@ -305,6 +307,55 @@ def _mismatched_batch():
     # the group is still usable afterwards
     out = ddp(*xy(4))
     losses_loss(out).backward()
+
+
+def _kept_calls(gather):
+    """Steps of one structure and shape are planned twice in full and then taken from the kept call (no planning),
+    and still train exactly as the full batch; a rank whose next call differs (the others' is still like the kept
+    one) makes every rank raise, and the group is usable afterwards."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    module = Losses().to(DT)
+    ref = copy.deepcopy(module)
+    ddp = dpfast.DistributedDataParallel(module, out_dims=("mean", "sum", 0), gather_outputs=gather)
+    planned = []
+    real_plan = dpfast.distributed.module.plan_call
+    dpfast.distributed.module.plan_call = lambda *a, **k: planned.append(1) or real_plan(*a, **k)
+    try:
+        g = torch.Generator().manual_seed(7)
+        for step in range(5):
+            x, y = torch.randn(5, 4, dtype=DT, generator=g), torch.randn(5, 2, dtype=DT, generator=g)
+            ddp.zero_grad()
+            ref.zero_grad()
+            out = ddp(x, y)
+            with solo_context():
+                expected = ref(x, y)
+            if gather:
+                assert_tree_close(out, expected, f"step {step}: gathered outputs")
+                losses_loss(out).backward()
+            else:  # this rank's rows: a per-sample-mean loss scaled to the full batch's gradient
+                s = ddp.share
+                assert_tree_close(out[2], expected[2][s.start : s.stop], f"step {step}: this rank's outputs")
+                (out[0] * ddp.loss_scale).backward()
+            (expected[0] if not gather else losses_loss(expected)).backward()
+            got, want = grads(ddp.module), grads(ref)
+            for name in want:
+                torch.testing.assert_close(got[name], want[name], msg=lambda m, n=name, s=step: f"step {s}, {n}: {m}")
+        assert len(planned) == 3, planned  # the full walk twice, then along the skeleton: kept; then taken
+        x, y = xy(5)
+        if rank == world - 1:
+            x, y = xy(4)
+
+        def call():
+            out = ddp(x, y)
+            (losses_loss(out) if gather else out[0]).backward()  # without gather_outputs backward checks
+
+        expect_batch_error(call, ("B differs across ranks",))
+        assert len(planned) == 3 + (rank == world - 1)  # the others' call was like the kept one
+        out = ddp(*xy(5))
+        (losses_loss(out) if gather else out[0]).backward()
+    finally:
+        dpfast.distributed.module.plan_call = real_plan
 
 
 def _one_rank_bad_inputs():

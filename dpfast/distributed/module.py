@@ -53,6 +53,7 @@ from .checks import StepChecks
 from .ddp_overrides import KeepingStepOverrides, _ShareRefused
 from .exchanges import RankGroup, through_input_grads
 from .keeping_step import CollectiveLog, EmptyShare
+from .kept_call import KeptCall
 from .outputs import OutputsCall, gather_across_ranks
 from .settings import FIXED, agree_on_settings, check_settings, describe_settings
 from .sharding import Share, rank_call
@@ -167,6 +168,7 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
                 self._bucket_check = BucketCheck(self._group, c.row, c.verify)
                 super().register_comm_hook(None, self._bucket_check.hook)
         self._call = _CallState()
+        self._kept: KeptCall | None = None  # the last call's plan, record and share, for a call like it
         self._settings_fixed = True
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -231,6 +233,14 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
         """
         if self._bucket_check is not None:
             self._bucket_check.read_deferred()  # CUDA: the last backward's check
+        kept = self._kept.take(self._specs, inputs, kwargs) if self._kept is not None else None
+        if kept is not None:  # a call like the last one: its record and share, and this rank's rows of it
+            args, kw, record = kept
+            record = record or StepRecord(OK, None, {})
+            self._checks.begin(record)
+            call = self._call
+            call.share, call.pending_rows, call.empty = self._kept.share, None, None
+            return self._run_share(record, args, kw, self._kept.first)
         plan, error = self._plan(inputs, kwargs)
         record = self._describe(plan, error) if self.check_batch else StepRecord(OK, error, {})
         self._checks.begin(record)  # the first call is checked here, before anything runs (raises on every rank)
@@ -239,6 +249,14 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
                 raise error
             return self._keep_step(record, ran_forward=False)
         args, kw = self._take_share(plan, inputs, kwargs)
+        first = _first_with_rows(plan) if self.inputs == "global" else 0
+        self._kept = None
+        if self.inputs == "global" and self.check_batch != "values" and self._call.share is not None:
+            self._kept = KeptCall.of(plan, record if self.check_batch else None, self._call.share, first)
+        return self._run_share(record, args, kw, first)
+
+    def _run_share(self, record: StepRecord, args: tuple, kw: dict, first: int) -> Any:
+        """Run this rank's share of the call through torch's DDP forward, then the step's check."""
         log = self._call.log = CollectiveLog(keep_results=self._call.empty is not None)
         self._call.ghost_error = None
         try:
@@ -250,7 +268,7 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
         if self._call.ghost_error is not None:
             record.fail(GHOST_COUNTED, self._call.ghost_error)
         if self.check_batch:
-            self._checks.ran(self._call.log.entries, _first_with_rows(plan) if self.inputs == "global" else 0)
+            self._checks.ran(self._call.log.entries, first)
         return self._finish(outputs)
 
     def _plan(self, inputs: tuple, kwargs: dict) -> tuple[CallPlan | None, BaseException | None]:

@@ -1,0 +1,84 @@
+"""A DistributedDataParallel call like the last one: cut to this rank's rows without planning it again.
+
+A training loop calls the wrapper with the same structure every step. What planning, the step record and the
+share derive from a call read along the kept skeleton is fixed by that skeleton and, per tensor, its size along
+every axis, dtype, ``requires_grad``, and that it is a plain dense tensor (and on which device): the settings
+are fixed once the wrapper is built. So a call of the very same skeleton whose tensors read the same (two calls
+into the extension, :func:`dpfast.ops._plain_batch` and :func:`dpfast.ops._tensor_facts`) gets the last call's
+record and share, and only its cut is made anew (:func:`dpfast.ops._narrow_many`, as ``cut_rows`` makes it).
+
+Kept only for what needs nothing per call beyond the cut: the global batch split by count (no ``cost=``, no
+``check_batch="values"``), a rank with rows, and no input that requires grad (those are seen through an autograd
+node made per call). Anything else, or anything that reads differently, is planned in full, and its plan kept.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import ops
+from ..plan.call_plan import CallPlan
+from ..trees.binding import Binding, BoundArguments
+from .agreement import OK, StepRecord
+from .sharding import Share
+
+
+class KeptCall:
+    """The last planned call's skeleton and what it read of its tensors, with the record, share and first rank
+    with rows that it gave."""
+
+    __slots__ = ("skeleton", "batch", "facts", "items", "fp", "share", "first")
+
+    def __init__(self, skeleton: Any, batch: tuple, facts: tuple, record: StepRecord | None, share: Share, first: int):
+        self.skeleton, self.batch, self.facts, self.share, self.first = skeleton, batch, facts, share, first
+        # (a record's items are never changed once made: StepDescriber serves one dict to many records too)
+        self.items, self.fp = (None, None) if record is None else (record.items, record.fp)
+
+    @classmethod
+    def of(cls, plan: CallPlan, record: StepRecord | None, share: Share, first: int) -> KeptCall | None:
+        """What to keep of a call just planned in full (``record`` None: the checks are off), or None when the next
+        call like it must be planned in full too."""
+        tree = plan.tree
+        if plan.mode != "split" or tree.split is None or tree.flat is None or plan.balance is not None:
+            return None
+        if share.stop <= share.start or (record is not None and record.status != OK):
+            return None
+        read = _read(tree)
+        if read is None or any(t.requires_grad for t in read[0]):
+            return None
+        return cls(tree.skeleton, read[1], read[2], record, share, first)
+
+    def take(self, binding: Binding, inputs: tuple, kwargs: dict) -> tuple[tuple, dict, StepRecord | None] | None:
+        """This rank's ``(args, kwargs)`` of a call like the kept one, and its record (None with the checks off);
+        None when the call must be planned in full."""
+        skeleton = self.skeleton
+        if binding.skeleton is not skeleton:
+            return None
+        tree = BoundArguments.again(binding, skeleton, inputs, kwargs)
+        read = None if tree is None else _read(tree)
+        if read is None or read[1] != self.batch or read[2] != self.facts:
+            return None
+        tensors = read[0]
+        share = self.share
+        cut = ops._narrow_many(tensors, self.batch[1], share.start, share.stop - share.start)
+        if cut is None:
+            return None
+        flat = tree.flat
+        if len(cut) == len(flat):  # every leaf a tensor
+            values = cut
+        else:
+            values = list(flat)
+            for i, v in zip(skeleton.tensors, cut):
+                values[i] = v
+        args, kw = tree.rebuild(values)
+        return args, kw, None if self.items is None else StepRecord(OK, None, self.items, self.fp)
+
+
+def _read(tree: BoundArguments) -> tuple[list, tuple, tuple] | None:
+    """The tensors of a call read along its skeleton, what planning reads of them (``(B, axes, device)``) and their
+    facts (sizes, dtype, ``requires_grad``); None when they are not all plain (planning then walks in full)."""
+    flat, skeleton = tree.flat, tree.skeleton
+    tensors = flat if len(skeleton.tensors) == len(flat) else [flat[i] for i in skeleton.tensors]
+    batch = ops._plain_batch(tensors, skeleton.specs, True)
+    facts = ops._tensor_facts(tensors) if batch is not None and batch[0] > 0 else None
+    return None if facts is None else (tensors, batch, facts)

@@ -1,0 +1,108 @@
+"""dpfast.distributed.kept_call: a DistributedDataParallel call like the last one reuses its record and share and
+is only cut anew. It must never serve what the full path would not give: for every call it takes, this rank's
+rows are the very views the full walk cuts and the record is the full walk's; a call that differs in anything
+planning, the record or the share read (shape, dtype, requires_grad, structure, a non-plain tensor) is declined.
+Planned without a process group (the planning stage is the same), against a fresh Binding that walks in full."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_distributed_step_records import IN_DIMS, _call, _forward, _full_plan, _same_views, calls
+
+from dpfast.distributed.agreement import StepDescriber, describe_step
+from dpfast.distributed.kept_call import KeptCall
+from dpfast.distributed.sharding import _share_of, take_rows
+from dpfast.ext.loader import LOADED
+from dpfast.plan.call_plan import plan_call
+from dpfast.trees.binding import Binding
+
+pytestmark = pytest.mark.skipif(not LOADED, reason="the kept call needs the compiled extension")
+
+
+def _planned(binding, describe, args, kwargs, parts, rank, checked=True):
+    """What DistributedDataParallel.forward keeps of a call planned in full: the KeptCall, or None."""
+    plan = plan_call(binding, args, kwargs, parts)
+    record = describe(plan, None)
+    if plan.mode != "split":
+        return None
+    share = _share_of(rank, parts, plan.batch_size, tuple(plan.sizes))
+    return KeptCall.of(plan, record if checked else None, share, plan.replicas[0][0])
+
+
+def _want(args, kwargs, parts, rank):
+    """The full walk's rows of this rank, record and share."""
+    full = _full_plan(args, kwargs, parts)
+    share = _share_of(rank, parts, full.batch_size, tuple(full.sizes))
+    rows = take_rows(full.tree, full.mapped, share.start, share.stop - share.start)
+    return rows, describe_step(full, None, False, False), share
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(calls, min_size=2, max_size=10), st.sampled_from([2, 3]), st.integers(0, 2), st.booleans())
+def test_a_taken_call_is_the_full_walks_call(sequence, parts, rank, checked):
+    """Over a sequence of calls (each four times in a row), every call the kept one takes gives the full walk's
+    rows and record, and the kept share; a call it declines is planned in full and kept for the next."""
+    rank = min(rank, parts - 1)
+    binding = Binding(_forward, IN_DIMS, 0)
+    describe = StepDescriber(False, hash_values=False)
+    kept, taken = None, 0
+    for call in [c for c in sequence for _ in range(4)]:
+        args, kwargs = _call(*call)
+        got = kept.take(binding, args, kwargs) if kept is not None else None
+        if got is None:
+            kept = _planned(binding, describe, args, kwargs, parts, rank, checked)
+            continue
+        taken += 1
+        rows, record, share = _want(args, kwargs, parts, rank)
+        _same_views((got[0], got[1]), rows)
+        assert kept.share == share
+        if checked:
+            assert got[2].items == record.items and got[2].fp == record.fp
+        else:
+            assert got[2] is None
+    # a call whose inputs need no grad, with rows for this rank, is read along its skeleton from its third time in
+    # a row (planning keeps a structure seen twice), kept then, and taken the fourth
+    if any(not (c[3] and c[2].is_floating_point) and c[0] > rank for c in sequence):
+        assert taken > 0
+
+
+def test_what_is_declined():
+    """Each thing the kept call stands for, changed alone, is declined (and planned in full)."""
+    binding = Binding(_forward, IN_DIMS, 0)
+    describe = StepDescriber(False, hash_values=False)
+    base = (4, 3, torch.float32, False, True, True, 1.0)
+    for _ in range(3):
+        kept = _planned(binding, describe, *_call(*base), 2, 1)
+    assert kept is not None and kept.take(binding, *_call(*base)) is not None
+    changes = {
+        "B": (6, 3, torch.float32, False, True, True, 1.0),
+        "shape": (4, 5, torch.float32, False, True, True, 1.0),
+        "dtype": (4, 3, torch.float64, False, True, True, 1.0),
+        "requires_grad": (4, 3, torch.float32, True, True, True, 1.0),
+        "atom type": (4, 3, torch.float32, False, True, True, 2),
+        "structure": (4, 3, torch.float32, False, False, True, 1.0),
+    }
+    for what, call in changes.items():
+        assert kept.take(binding, *_call(*call)) is None, what
+    args, kwargs = _call(*base)
+    assert kept.take(binding, (args[0].to_sparse(), args[1]), kwargs) is None  # not a plain dense tensor
+    assert kept.take(binding, (args[0].to("meta"), args[1]), kwargs) is None  # another device
+    assert kept.take(Binding(_forward, IN_DIMS, 0), args, kwargs) is None  # another binding's skeleton
+
+
+def test_nothing_is_kept_that_needs_a_call_of_its_own():
+    """Inputs that require grad (seen through a node made per call) and a rank without rows are never kept."""
+    binding = Binding(_forward, IN_DIMS, 0)
+    describe = StepDescriber(False, hash_values=False)
+    for _ in range(3):
+        grad = _planned(binding, describe, *_call(4, 3, torch.float32, True, True, True, 1.0), 2, 0)
+    assert grad is None
+    for _ in range(3):
+        plain = _planned(binding, describe, *_call(1, 3, torch.float32, False, True, True, 1.0), 2, 0)
+    assert plain is not None  # rank 0 has the one row
+    for _ in range(3):
+        empty = _planned(binding, describe, *_call(1, 3, torch.float32, False, True, True, 1.0), 2, 1)
+    assert empty is None  # rank 1 has none

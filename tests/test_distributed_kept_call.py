@@ -106,3 +106,32 @@ def test_nothing_is_kept_that_needs_a_call_of_its_own():
     for _ in range(3):
         empty = _planned(binding, describe, *_call(1, 3, torch.float32, False, True, True, 1.0), 2, 1)
     assert empty is None  # rank 1 has none
+
+
+def _rnn_forward(x, state, *, mask=None):
+    return x
+
+
+def _rnn_call(batch: int, as_list: bool = False):
+    state = [torch.randn(1, batch, 3), torch.randn(1, batch, 3)]
+    return (torch.randn(batch, 4), state if as_list else tuple(state)), {"mask": torch.ones(batch, 2)}
+
+
+def test_a_nested_argument_is_read_along_its_skeleton():
+    """An argument made of containers (an LSTM's (h, c), split along dim 1) is read as BoundArguments.again reads
+    it: the same rows as the full walk, the very same atoms; a container of another type is declined."""
+    binding = Binding(_rnn_forward, {"state": 1}, 0)
+    describe = StepDescriber(False, hash_values=False)
+    for _ in range(3):
+        kept = _planned(binding, describe, *_rnn_call(5), 2, 1)
+    assert kept is not None and not kept.skeleton.flat
+    args, kwargs = _rnn_call(5)
+    got = kept.take(binding, args, kwargs)
+    assert got is not None
+    full = plan_call(Binding(_rnn_forward, {"state": 1}, 0), args, kwargs, 2)
+    share = _share_of(1, 2, full.batch_size, tuple(full.sizes))
+    _same_views((got[0], got[1]), take_rows(full.tree, full.mapped, share.start, share.stop - share.start))
+    assert type(got[0][1]) is tuple and got[0][1][0].shape == (1, 2, 3)
+    assert got[2].fp == describe_step(full, None, False, False).fp
+    assert kept.take(binding, *_rnn_call(5, as_list=True)) is None
+    assert kept.take(binding, *_rnn_call(6)) is None

@@ -14,11 +14,13 @@ node made per call). Anything else, or anything that reads differently, is plann
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from .. import ops
 from ..plan.call_plan import CallPlan
 from ..trees.binding import Binding, BoundArguments
+from ..trees.flatten import is_leaf
 from .agreement import OK, StepRecord
 from .sharding import Share
 
@@ -27,12 +29,13 @@ class KeptCall:
     """The last planned call's skeleton and what it read of its tensors, with the record, share and first rank
     with rows that it gave."""
 
-    __slots__ = ("skeleton", "batch", "facts", "items", "fp", "share", "first")
+    __slots__ = ("skeleton", "batch", "facts", "record", "share", "first")
 
     def __init__(self, skeleton: Any, batch: tuple, facts: tuple, record: StepRecord | None, share: Share, first: int):
         self.skeleton, self.batch, self.facts, self.share, self.first = skeleton, batch, facts, share, first
-        # (a record's items are never changed once made: StepDescriber serves one dict to many records too)
-        self.items, self.fp = (None, None) if record is None else (record.items, record.fp)
+        # One record serves every call taken: a record changes only when its rank cannot run its part (an empty
+        # share, never kept), and its items are never changed once made (StepDescriber serves one dict to many).
+        self.record = None if record is None else StepRecord(OK, None, record.items, record.fp)
 
     @classmethod
     def of(cls, plan: CallPlan, record: StepRecord | None, share: Share, first: int) -> KeptCall | None:
@@ -43,10 +46,11 @@ class KeptCall:
             return None
         if share.stop <= share.start or (record is not None and record.status != OK):
             return None
-        read = _read(tree)
-        if read is None or any(t.requires_grad for t in read[0]):
+        tensors = _tensors(tree.flat, tree.skeleton.tensors)
+        read = _read(tensors, tree.skeleton.specs)
+        if read is None or any(t.requires_grad for t in tensors):
             return None
-        return cls(tree.skeleton, read[1], read[2], record, share, first)
+        return cls(tree.skeleton, *read, record, share, first)
 
     def take(self, binding: Binding, inputs: tuple, kwargs: dict) -> tuple[tuple, dict, StepRecord | None] | None:
         """This rank's ``(args, kwargs)`` of a call like the kept one, and its record (None with the checks off);
@@ -54,31 +58,46 @@ class KeptCall:
         skeleton = self.skeleton
         if binding.skeleton is not skeleton:
             return None
-        tree = BoundArguments.again(binding, skeleton, inputs, kwargs)
-        read = None if tree is None else _read(tree)
-        if read is None or read[1] != self.batch or read[2] != self.facts:
+        tree = None
+        if skeleton.flat:  # every argument one leaf (model(x)): read as BoundArguments.again reads it, in place
+            if len(inputs) != skeleton.n_args or tuple(kwargs) != skeleton.kw_keys:
+                return None
+            flat = (*inputs, *kwargs.values()) if kwargs else inputs
+            if not all(map(is_leaf, skeleton.args, flat)):
+                return None
+        else:
+            tree = BoundArguments.again(binding, skeleton, inputs, kwargs)
+            if tree is None:
+                return None
+            flat = tree.flat
+        tensors = _tensors(flat, skeleton.tensors)
+        if _read(tensors, skeleton.specs) != (self.batch, self.facts):
             return None
-        tensors = read[0]
         share = self.share
         cut = ops._narrow_many(tensors, self.batch[1], share.start, share.stop - share.start)
         if cut is None:
             return None
-        flat = tree.flat
         if len(cut) == len(flat):  # every leaf a tensor
             values = cut
         else:
             values = list(flat)
             for i, v in zip(skeleton.tensors, cut):
                 values[i] = v
-        args, kw = tree.rebuild(values)
-        return args, kw, None if self.items is None else StepRecord(OK, None, self.items, self.fp)
+        if tree is not None:
+            args, kw = tree.rebuild(values)
+        else:
+            n = skeleton.n_args
+            args, kw = tuple(values[:n]), dict(zip(skeleton.kw_keys, values[n:]))
+        return args, kw, self.record
 
 
-def _read(tree: BoundArguments) -> tuple[list, tuple, tuple] | None:
-    """The tensors of a call read along its skeleton, what planning reads of them (``(B, axes, device)``) and their
-    facts (sizes, dtype, ``requires_grad``); None when they are not all plain (planning then walks in full)."""
-    flat, skeleton = tree.flat, tree.skeleton
-    tensors = flat if len(skeleton.tensors) == len(flat) else [flat[i] for i in skeleton.tensors]
-    batch = ops._plain_batch(tensors, skeleton.specs, True)
+def _tensors(flat: Sequence[Any], where: list[int]) -> Sequence[Any]:
+    return flat if len(where) == len(flat) else [flat[i] for i in where]
+
+
+def _read(tensors: Sequence[Any], specs: list) -> tuple[tuple, tuple] | None:
+    """What planning reads of a call's tensors (``(B, axes, device)``) and their facts (sizes, dtype,
+    ``requires_grad``); None when they are not all plain (planning then walks in full)."""
+    batch = ops._plain_batch(tensors, specs, True)
     facts = ops._tensor_facts(tensors) if batch is not None and batch[0] > 0 else None
-    return None if facts is None else (tensors, batch, facts)
+    return None if facts is None else (batch, facts)

@@ -145,6 +145,7 @@ def _scenarios(world):
     out["mismatched_batch"] = _mismatched_batch
     out["kept_calls_gathered"] = functools.partial(_kept_calls, True)
     out["kept_calls_local"] = functools.partial(_kept_calls, False)
+    out["kept_calls_per_rank"] = functools.partial(_kept_calls, True, "per_rank")
     out["one_rank_bad_inputs"] = _one_rank_bad_inputs
     out["mismatched_values"] = _mismatched_values
     out["one_rank_bad_structure"] = _one_rank_bad_structure
@@ -309,7 +310,7 @@ def _mismatched_batch():
     losses_loss(out).backward()
 
 
-def _kept_calls(gather):
+def _kept_calls(gather, inputs="global"):
     """Steps of one structure and shape are planned twice in full and then taken from the kept call (no planning),
     and still train exactly as the full batch; a rank whose next call differs (the others' is still like the kept
     one) makes every rank raise, and the group is usable afterwards."""
@@ -317,7 +318,8 @@ def _kept_calls(gather):
     torch.manual_seed(0)
     module = Losses().to(DT)
     ref = copy.deepcopy(module)
-    ddp = dpfast.DistributedDataParallel(module, out_dims=("mean", "sum", 0), gather_outputs=gather)
+    ddp = dpfast.DistributedDataParallel(module, out_dims=("mean", "sum", 0), gather_outputs=gather, inputs=inputs)
+    mine = shard_range(5, rank, world) if inputs == "per_rank" else slice(None)
     planned = []
     real_plan = dpfast.distributed.module.plan_call
     dpfast.distributed.module.plan_call = lambda *a, **k: planned.append(1) or real_plan(*a, **k)
@@ -327,7 +329,7 @@ def _kept_calls(gather):
             x, y = torch.randn(5, 4, dtype=DT, generator=g), torch.randn(5, 2, dtype=DT, generator=g)
             ddp.zero_grad()
             ref.zero_grad()
-            out = ddp(x, y)
+            out = ddp(x[mine], y[mine])
             with solo_context():
                 expected = ref(x, y)
             if gather:
@@ -342,17 +344,17 @@ def _kept_calls(gather):
             for name in want:
                 torch.testing.assert_close(got[name], want[name], msg=lambda m, n=name, s=step: f"step {s}, {n}: {m}")
         assert len(planned) == 3, planned  # the full walk twice, then along the skeleton: kept; then taken
-        x, y = xy(5)
-        if rank == world - 1:
-            x, y = xy(4)
+        x, y = (t[mine] for t in xy(5))
+        if rank == world - 1:  # (per-rank shares may differ in rows, not in dtype)
+            x, y = xy(4) if inputs == "global" else (x, y.float())
 
         def call():
             out = ddp(x, y)
             (losses_loss(out) if gather else out[0]).backward()  # without gather_outputs backward checks
 
-        expect_batch_error(call, ("B differs across ranks",))
+        expect_batch_error(call, ("B differs across ranks",) if inputs == "global" else ())
         assert len(planned) == 3 + (rank == world - 1)  # the others' call was like the kept one
-        out = ddp(*xy(5))
+        out = ddp(*(t[mine] for t in xy(5)))
         (losses_loss(out) if gather else out[0]).backward()
     finally:
         dpfast.distributed.module.plan_call = real_plan

@@ -135,3 +135,20 @@ def test_a_nested_argument_is_read_along_its_skeleton():
     assert got[2].fp == describe_step(full, None, False, False).fp
     assert kept.take(binding, *_rnn_call(5, as_list=True)) is None
     assert kept.take(binding, *_rnn_call(6)) is None
+
+
+def test_per_rank_inputs_are_passed_as_given():
+    """inputs="per_rank": a call like the kept one is passed on as given (its very objects), with the full walk's
+    record; another row count is declined."""
+    binding = Binding(_forward, IN_DIMS, 0)
+    describe = StepDescriber(True, hash_values=False)
+    base = (4, 3, torch.float32, False, True, True, 1.0)
+    for _ in range(3):
+        plan = plan_call(binding, *_call(*base), 1)
+        kept = KeptCall.of(plan, describe(plan, None), None, 0)
+    assert kept is not None and kept.rows == 4
+    args, kwargs = _call(*base)
+    got = kept.take(binding, args, kwargs)
+    assert got is not None and got[0] is args and got[1] is kwargs
+    assert got[2].fp == describe_step(plan_call(Binding(_forward, IN_DIMS, 0), args, kwargs, 1), None, True, False).fp
+    assert kept.take(binding, *_call(5, 3, torch.float32, False, True, True, 1.0)) is None

@@ -7,9 +7,10 @@ are fixed once the wrapper is built. So a call of the very same skeleton whose t
 into the extension, :func:`dpfast.ops._plain_batch` and :func:`dpfast.ops._tensor_facts`) gets the last call's
 record and share, and only its cut is made anew (:func:`dpfast.ops._narrow_many`, as ``cut_rows`` makes it).
 
-Kept only for what needs nothing per call beyond the cut: the global batch split by count (no ``cost=``, no
+Kept only for what needs nothing per call beyond the cut: a split by count (no ``cost=``, no
 ``check_batch="values"``), a rank with rows, and no input that requires grad (those are seen through an autograd
-node made per call). Anything else, or anything that reads differently, is planned in full, and its plan kept.
+node made per call). Per-rank inputs (``inputs="per_rank"``) are kept the same way, and passed on as given.
+Anything else, or anything that reads differently, is planned in full, and its plan kept.
 """
 
 from __future__ import annotations
@@ -26,25 +27,28 @@ from .sharding import Share
 
 
 class KeptCall:
-    """The last planned call's skeleton and what it read of its tensors, with the record, share and first rank
-    with rows that it gave."""
+    """The last planned call's skeleton and what it read of its tensors, with the record, share (None: per-rank
+    inputs, of ``rows`` rows) and first rank with rows that it gave."""
 
-    __slots__ = ("skeleton", "batch", "facts", "record", "share", "first")
+    __slots__ = ("skeleton", "batch", "facts", "record", "share", "rows", "first")
 
-    def __init__(self, skeleton: Any, batch: tuple, facts: tuple, record: StepRecord | None, share: Share, first: int):
+    def __init__(
+        self, skeleton: Any, batch: tuple, facts: tuple, record: StepRecord | None, share: Share | None, first: int
+    ):
         self.skeleton, self.batch, self.facts, self.share, self.first = skeleton, batch, facts, share, first
+        self.rows = batch[0]
         # One record serves every call taken: a record changes only when its rank cannot run its part (an empty
         # share, never kept), and its items are never changed once made (StepDescriber serves one dict to many).
         self.record = None if record is None else StepRecord(OK, None, record.items, record.fp)
 
     @classmethod
-    def of(cls, plan: CallPlan, record: StepRecord | None, share: Share, first: int) -> KeptCall | None:
-        """What to keep of a call just planned in full (``record`` None: the checks are off), or None when the next
-        call like it must be planned in full too."""
+    def of(cls, plan: CallPlan, record: StepRecord | None, share: Share | None, first: int) -> KeptCall | None:
+        """What to keep of a call just planned in full (``record`` None: the checks are off; ``share`` None:
+        per-rank inputs), or None when the next call like it must be planned in full too."""
         tree = plan.tree
         if plan.mode != "split" or tree.split is None or tree.flat is None or plan.balance is not None:
             return None
-        if share.stop <= share.start or (record is not None and record.status != OK):
+        if (share is not None and share.stop <= share.start) or (record is not None and record.status != OK):
             return None
         tensors = _tensors(tree.flat, tree.skeleton.tensors)
         read = _read(tensors, tree.skeleton.specs)
@@ -53,8 +57,8 @@ class KeptCall:
         return cls(tree.skeleton, *read, record, share, first)
 
     def take(self, binding: Binding, inputs: tuple, kwargs: dict) -> tuple[tuple, dict, StepRecord | None] | None:
-        """This rank's ``(args, kwargs)`` of a call like the kept one, and its record (None with the checks off);
-        None when the call must be planned in full."""
+        """This rank's ``(args, kwargs)`` of a call like the kept one (per-rank inputs: as given), and its record
+        (None with the checks off); None when the call must be planned in full."""
         skeleton = self.skeleton
         if binding.skeleton is not skeleton:
             return None
@@ -74,6 +78,8 @@ class KeptCall:
         if _read(tensors, skeleton.specs) != (self.batch, self.facts):
             return None
         share = self.share
+        if share is None:  # per-rank inputs: this rank's rows are all of them
+            return inputs, kwargs, self.record
         cut = ops._narrow_many(tensors, self.batch[1], share.start, share.stop - share.start)
         if cut is None:
             return None

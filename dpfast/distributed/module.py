@@ -238,8 +238,8 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
             args, kw, record = kept
             record = record or StepRecord(OK, None, {})
             self._checks.begin(record)
-            call = self._call
-            call.share, call.pending_rows, call.empty = self._kept.share, None, None
+            call, share = self._call, self._kept.share
+            call.share, call.pending_rows, call.empty = share, (self._kept.rows if share is None else None), None
             return self._run_share(record, args, kw, self._kept.first)
         plan, error = self._plan(inputs, kwargs)
         record = self._describe(plan, error) if self.check_batch else StepRecord(OK, error, {})
@@ -251,8 +251,9 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
         args, kw = self._take_share(plan, inputs, kwargs)
         first = _first_with_rows(plan) if self.inputs == "global" else 0
         self._kept = None
-        if self.inputs == "global" and self.check_batch != "values" and self._call.share is not None:
-            self._kept = KeptCall.of(plan, record if self.check_batch else None, self._call.share, first)
+        share, rows = self._call.share, self._call.pending_rows
+        if self.check_batch != "values" and (share is not None if self.inputs == "global" else bool(rows)):
+            self._kept = KeptCall.of(plan, record if self.check_batch else None, share, first)
         return self._run_share(record, args, kw, first)
 
     def _run_share(self, record: StepRecord, args: tuple, kw: dict, first: int) -> Any:

@@ -311,7 +311,8 @@ def _mismatched_batch():
 
 
 def _kept_calls(gather, inputs="global"):
-    """Steps of one structure and shape are planned twice in full and then taken from the kept call (no planning),
+    """Steps of one structure and shape are planned three times (twice by the full walk, then along the skeleton
+    the second made, which keeps the call) and then taken from the kept call (no planning),
     and still train exactly as the full batch; a rank whose next call differs (the others' is still like the kept
     one) makes every rank raise, and the group is usable afterwards."""
     rank, world = dist.get_rank(), dist.get_world_size()

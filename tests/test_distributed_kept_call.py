@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from test_distributed_step_records import IN_DIMS, _call, _forward, _full_plan, _same_views, calls
 
 from dpfast.distributed.agreement import StepDescriber, describe_step
-from dpfast.distributed.kept_call import KeptCall
+from dpfast.distributed.kept_call import KeptCall, KeptCalls
 from dpfast.distributed.sharding import _share_of, take_rows
 from dpfast.ext.loader import LOADED
 from dpfast.plan.call_plan import plan_call
@@ -22,14 +22,14 @@ from dpfast.trees.binding import Binding
 pytestmark = pytest.mark.skipif(not LOADED, reason="the kept call needs the compiled extension")
 
 
-def _planned(binding, describe, args, kwargs, parts, rank, checked=True):
+def _planned(binding, describe, args, kwargs, parts, rank, checked=True, read=None):
     """What DistributedDataParallel.forward keeps of a call planned in full: the KeptCall, or None."""
     plan = plan_call(binding, args, kwargs, parts)
     record = describe(plan, None)
     if plan.mode != "split":
         return None
     share = _share_of(rank, parts, plan.batch_size, tuple(plan.sizes))
-    return KeptCall.of(plan, record if checked else None, share, plan.replicas[0][0])
+    return KeptCall.of(plan, record if checked else None, share, plan.replicas[0][0], read)
 
 
 def _want(args, kwargs, parts, rank):
@@ -52,8 +52,8 @@ def test_a_taken_call_is_the_full_walks_call(sequence, parts, rank, checked):
     for call in [c for c in sequence for _ in range(4)]:
         args, kwargs = _call(*call)
         got = kept.take(binding, args, kwargs) if kept is not None else None
-        if got is None:
-            kept = _planned(binding, describe, args, kwargs, parts, rank, checked)
+        if got is None:  # planned in full, with what the declining kept call read of it
+            kept = _planned(binding, describe, args, kwargs, parts, rank, checked, kept and kept.declined)
             continue
         taken += 1
         rows, record, share = _want(args, kwargs, parts, rank)
@@ -152,3 +152,32 @@ def test_per_rank_inputs_are_passed_as_given():
     assert got is not None and got[0] is args and got[1] is kwargs
     assert got[2].fp == describe_step(plan_call(Binding(_forward, IN_DIMS, 0), args, kwargs, 1), None, True, False).fp
     assert kept.take(binding, *_call(5, 3, torch.float32, False, True, True, 1.0)) is None
+
+
+def test_calls_that_never_repeat_stop_being_kept():
+    """KeptCalls: calls whose shapes change every time are declined twice, then planned without keeping for 4, 8,
+    ... calls (no reading to pay for); once a call repeats it is kept and taken again."""
+    binding = Binding(_forward, IN_DIMS, 0)
+    describe = StepDescriber(False, hash_values=False)
+    kept = KeptCalls()
+
+    def call(batch):
+        args, kwargs = _call(batch, 3, torch.float32, False, True, True, 1.0)
+        got = kept.take(binding, args, kwargs)
+        if got is None:
+            plan = plan_call(binding, args, kwargs, 2)
+            kept.planned(plan, describe(plan, None), _share_of(0, 2, batch, tuple(plan.sizes)), 0)
+        return got is not None
+
+    for b in (4, 4, 4):  # planned twice by the full walk, then along the skeleton: kept
+        assert not call(b)
+    assert call(4)
+    tried = []
+    for b in range(5, 25):  # a new B every call
+        tried.append(kept.last is not None)
+        assert not call(b)
+    assert tried[:3] == [True, True, False]  # declined twice in a row: then a pause of 4 calls
+    assert tried.count(True) < 8
+    for _ in range(70):  # one shape again: kept after the pause, then taken
+        call(30)
+    assert call(30) and kept.misses == 0

@@ -114,6 +114,38 @@ def test_attributes_a_replica_sets_are_undone_at_the_next_call():
     assert m.seen == 2
 
 
+def test_what_a_replica_changes_is_undone_at_the_next_call():
+    """A replica's forward (not the module's) sets an attribute, replaces a buffer, adds a submodule and registers
+    a hook on itself; the module's tree stays as it is, so the same replicas serve the next call, which must see
+    each of them as a fresh copy of the module again."""
+
+    class Marks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.register_buffer("offset", torch.zeros(1))
+            self.mark = 0
+            self.owner = id(self)  # an int: the replicas keep the module's
+
+        def forward(self, x):
+            out = x + self.mark + self.offset + 10 * len(self._forward_hooks) + 100 * hasattr(self, "extra")
+            if id(self) != self.owner:  # a replica
+                self.mark = self.mark + 1
+                self.offset = self.offset + 1
+                self.extra = nn.Linear(1, 1)
+                self.register_forward_hook(lambda *args: None)
+            return out
+
+    m = Marks()
+    dp = dpfast.DataParallel(m, ["cpu"] * 3)
+    first = dp(torch.zeros(6, 2))
+    builds = dp._replicas.builds
+    for _ in range(3):
+        assert torch.equal(dp(torch.zeros(6, 2)), first)
+    assert dp._replicas.builds == builds  # the same replicas, undone
+    assert first.eq(0).all() and m.mark == 0 and not m._forward_hooks and not hasattr(m, "extra")
+
+
 class Dropped(nn.Module):
     def __init__(self, use_checkpoint=None):
         super().__init__()

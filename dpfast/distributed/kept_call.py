@@ -10,7 +10,9 @@ record and share, and only its cut is made anew (:func:`dpfast.ops._narrow_many`
 Kept only for what needs nothing per call beyond the cut: a split by count (no ``cost=``, no
 ``check_batch="values"``), a rank with rows, and no input that requires grad (those are seen through an autograd
 node made per call). Per-rank inputs (``inputs="per_rank"``) are kept the same way, and passed on as given.
-Anything else, or anything that reads differently, is planned in full, and its plan kept.
+Anything else, or anything that reads differently, is planned in full, and its plan kept. A workload whose shapes
+change every call (dynamic padding) would pay for a reading that never matches: after declines in a row the wrapper
+plans in full without keeping, for twice as many calls each time, and tries again (:class:`KeptCalls`).
 """
 
 from __future__ import annotations
@@ -30,36 +32,40 @@ class KeptCall:
     """The last planned call's skeleton and what it read of its tensors, with the record, share (None: per-rank
     inputs, of ``rows`` rows) and first rank with rows that it gave."""
 
-    __slots__ = ("skeleton", "batch", "facts", "record", "share", "rows", "first")
+    __slots__ = ("skeleton", "batch", "facts", "items", "fp", "share", "rows", "first", "declined")
 
     def __init__(
         self, skeleton: Any, batch: tuple, facts: tuple, record: StepRecord | None, share: Share | None, first: int
     ):
         self.skeleton, self.batch, self.facts, self.share, self.first = skeleton, batch, facts, share, first
         self.rows = batch[0]
-        # One record serves every call taken: a record changes only when its rank cannot run its part (an empty
-        # share, never kept), and its items are never changed once made (StepDescriber serves one dict to many).
-        self.record = None if record is None else StepRecord(OK, None, record.items, record.fp)
+        # (a record's items are never changed once made: StepDescriber serves one dict to many records too)
+        self.items, self.fp = (None, None) if record is None else (record.items, record.fp)
+        self.declined: tuple | None = None  # what the last declined call read of its tensors (see `of`)
 
     @classmethod
-    def of(cls, plan: CallPlan, record: StepRecord | None, share: Share | None, first: int) -> KeptCall | None:
+    def of(
+        cls, plan: CallPlan, record: StepRecord | None, share: Share | None, first: int, read: tuple | None = None
+    ) -> KeptCall | None:
         """What to keep of a call just planned in full (``record`` None: the checks are off; ``share`` None:
-        per-rank inputs), or None when the next call like it must be planned in full too."""
+        per-rank inputs), or None when the next call like it must be planned in full too. ``read``: what the
+        kept call read of this very call's tensors before it declined it (its ``declined``), not read again."""
         tree = plan.tree
         if plan.mode != "split" or tree.split is None or tree.flat is None or plan.balance is not None:
             return None
         if (share is not None and share.stop <= share.start) or (record is not None and record.status != OK):
             return None
         tensors = _tensors(tree.flat, tree.skeleton.tensors)
-        read = _read(tensors, tree.skeleton.specs)
-        if read is None or any(t.requires_grad for t in tensors):
+        if any(t.requires_grad for t in tensors):
             return None
-        return cls(tree.skeleton, *read, record, share, first)
+        read = read or _read(tensors, tree.skeleton.specs)
+        return None if read is None else cls(tree.skeleton, *read, record, share, first)
 
     def take(self, binding: Binding, inputs: tuple, kwargs: dict) -> tuple[tuple, dict, StepRecord | None] | None:
         """This rank's ``(args, kwargs)`` of a call like the kept one (per-rank inputs: as given), and its record
         (None with the checks off); None when the call must be planned in full."""
         skeleton = self.skeleton
+        self.declined = None
         if binding.skeleton is not skeleton:
             return None
         tree = None
@@ -75,11 +81,15 @@ class KeptCall:
                 return None
             flat = tree.flat
         tensors = _tensors(flat, skeleton.tensors)
-        if _read(tensors, skeleton.specs) != (self.batch, self.facts):
+        read = _read(tensors, skeleton.specs)
+        if read != (self.batch, self.facts):
+            # planning reads this call along the same skeleton next: what was read here need not be read again
+            self.declined = read
             return None
+        record = None if self.items is None else StepRecord(OK, None, self.items, self.fp)
         share = self.share
         if share is None:  # per-rank inputs: this rank's rows are all of them
-            return inputs, kwargs, self.record
+            return inputs, kwargs, record
         cut = ops._narrow_many(tensors, self.batch[1], share.start, share.stop - share.start)
         if cut is None:
             return None
@@ -94,7 +104,7 @@ class KeptCall:
         else:
             n = skeleton.n_args
             args, kw = tuple(values[:n]), dict(zip(skeleton.kw_keys, values[n:]))
-        return args, kw, self.record
+        return args, kw, record
 
 
 def _tensors(flat: Sequence[Any], where: list[int]) -> Sequence[Any]:
@@ -107,3 +117,43 @@ def _read(tensors: Sequence[Any], specs: list) -> tuple[tuple, tuple] | None:
     batch = ops._plain_batch(tensors, specs, True)
     facts = ops._tensor_facts(tensors) if batch is not None and batch[0] > 0 else None
     return None if facts is None else (batch, facts)
+
+
+class KeptCalls:
+    """One wrapper's kept call (``last``), and when to keep one: after two declines in a row, none is kept for 4,
+    then 8, ... (at most 64) calls planned in full, so that calls which never repeat pay for no reading."""
+
+    __slots__ = ("last", "misses", "pause")
+
+    def __init__(self) -> None:
+        self.last: KeptCall | None = None
+        self.misses = 0  # declines in a row
+        self.pause = 0  # calls left to plan in full without keeping
+
+    def take(self, binding: Binding, inputs: tuple, kwargs: dict) -> tuple[tuple, dict, StepRecord | None] | None:
+        """:meth:`KeptCall.take` of the kept call (None when there is none)."""
+        last = self.last
+        if last is None:
+            return None
+        got = last.take(binding, inputs, kwargs)
+        if got is not None:
+            self.misses = 0
+        return got
+
+    def planned(self, plan: CallPlan, record: StepRecord | None, share: Share | None, first: int) -> None:
+        """A call was planned in full (after :meth:`take` declined it, or with nothing kept): keep it, unless
+        calls have not repeated lately."""
+        last, self.last = self.last, None
+        if self.pause:
+            self.pause -= 1
+            return
+        if last is not None:  # the kept call declined this one
+            self.misses += 1
+            if self.misses >= 2:
+                self.pause = min(1 << self.misses, 64)
+                return
+        self.last = KeptCall.of(plan, record, share, first, None if last is None else last.declined)
+
+    def forget(self) -> None:
+        """A call that cannot be kept (another mode, a rank without rows): nothing is kept for the next."""
+        self.last = None

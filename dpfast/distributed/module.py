@@ -53,7 +53,7 @@ from .checks import StepChecks
 from .ddp_overrides import KeepingStepOverrides, _ShareRefused
 from .exchanges import RankGroup, through_input_grads
 from .keeping_step import CollectiveLog, EmptyShare
-from .kept_call import KeptCall
+from .kept_call import KeptCalls
 from .outputs import OutputsCall, gather_across_ranks
 from .settings import FIXED, agree_on_settings, check_settings, describe_settings
 from .sharding import Share, rank_call
@@ -168,7 +168,7 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
                 self._bucket_check = BucketCheck(self._group, c.row, c.verify)
                 super().register_comm_hook(None, self._bucket_check.hook)
         self._call = _CallState()
-        self._kept: KeptCall | None = None  # the last call's plan, record and share, for a call like it
+        self._kept = KeptCalls()  # the last call's plan, record and share, for a call like it
         self._settings_fixed = True
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -233,14 +233,16 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
         """
         if self._bucket_check is not None:
             self._bucket_check.read_deferred()  # CUDA: the last backward's check
-        kept = self._kept.take(self._specs, inputs, kwargs) if self._kept is not None else None
+        kept = self._kept.take(self._specs, inputs, kwargs)
         if kept is not None:  # a call like the last one: its record and share, and this rank's rows of it
             args, kw, record = kept
-            record = record or StepRecord(OK, None, {})
+            last = self._kept.last
+            if record is None:  # (the checks are off)
+                record = StepRecord(OK, None, {})
             self._checks.begin(record)
-            call, share = self._call, self._kept.share
-            call.share, call.pending_rows, call.empty = share, (self._kept.rows if share is None else None), None
-            return self._run_share(record, args, kw, self._kept.first)
+            call, share = self._call, last.share
+            call.share, call.pending_rows, call.empty = share, (last.rows if share is None else None), None
+            return self._run_share(record, args, kw, last.first)
         plan, error = self._plan(inputs, kwargs)
         record = self._describe(plan, error) if self.check_batch else StepRecord(OK, error, {})
         self._checks.begin(record)  # the first call is checked here, before anything runs (raises on every rank)
@@ -250,10 +252,11 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
             return self._keep_step(record, ran_forward=False)
         args, kw = self._take_share(plan, inputs, kwargs)
         first = _first_with_rows(plan) if self.inputs == "global" else 0
-        self._kept = None
         share, rows = self._call.share, self._call.pending_rows
         if self.check_batch != "values" and (share is not None if self.inputs == "global" else bool(rows)):
-            self._kept = KeptCall.of(plan, record if self.check_batch else None, share, first)
+            self._kept.planned(plan, record if self.check_batch else None, share, first)
+        else:
+            self._kept.forget()
         return self._run_share(record, args, kw, first)
 
     def _run_share(self, record: StepRecord, args: tuple, kw: dict, first: int) -> Any:

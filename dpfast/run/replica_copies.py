@@ -169,8 +169,9 @@ class Replica:
         self._pristine = [dict(d) for d in self._live]
 
     def write(self, params: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
-        """This call's parameters (the module's own, or a copy) and buffers (this replica's own) into the slots
-        (after :func:`undo_all` of this replica)."""
+        """This call's parameters (the module's own, or a copy) and buffers (this replica's own) into the slots."""
+        if self.dirty:  # (a set's refresh undoes all its replicas in one call first)
+            undo_all([self])
         self.sync_hooks()
         for r, key, k, flat in self.param_slots:
             t = params[k]

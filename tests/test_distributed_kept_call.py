@@ -10,7 +10,16 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_distributed_step_records import IN_DIMS, _call, _forward, _full_plan, _same_views, calls
+from test_distributed_step_records import (
+    BASE,
+    CHANGES,
+    IN_DIMS,
+    _call,
+    _forward,
+    _full_plan,
+    _same_views,
+    calls,
+)
 
 from dpfast.distributed.agreement import StepDescriber, describe_step
 from dpfast.distributed.kept_call import KeptCall, KeptCalls
@@ -73,18 +82,11 @@ def test_what_is_declined():
     """Each thing the kept call stands for, changed alone, is declined (and planned in full)."""
     binding = Binding(_forward, IN_DIMS, 0)
     describe = StepDescriber(False, hash_values=False)
-    base = (4, 3, torch.float32, False, True, True, 1.0)
+    base = BASE
     for _ in range(3):
         kept = _planned(binding, describe, *_call(*base), 2, 1)
     assert kept is not None and kept.take(binding, *_call(*base)) is not None
-    changes = {
-        "B": (6, 3, torch.float32, False, True, True, 1.0),
-        "shape": (4, 5, torch.float32, False, True, True, 1.0),
-        "dtype": (4, 3, torch.float64, False, True, True, 1.0),
-        "requires_grad": (4, 3, torch.float32, True, True, True, 1.0),
-        "atom type": (4, 3, torch.float32, False, True, True, 2),
-        "structure": (4, 3, torch.float32, False, False, True, 1.0),
-    }
+    changes = {**CHANGES, "structure": (4, 3, torch.float32, False, False, True, 1.0)}
     for what, call in changes.items():
         assert kept.take(binding, *_call(*call)) is None, what
     args, kwargs = _call(*base)

@@ -77,18 +77,21 @@ def test_a_kept_record_is_the_full_walks_record(sequence, parts, per_rank):
     assert read_along > 0  # the skeleton path was taken
 
 
+BASE = (4, 3, torch.float32, False, True, True, 1.0)  # a call of _call, and each thing about it changed alone
+CHANGES = {
+    "B": (6, 3, torch.float32, False, True, True, 1.0),
+    "shape": (4, 5, torch.float32, False, True, True, 1.0),
+    "dtype": (4, 3, torch.float64, False, True, True, 1.0),
+    "requires_grad": (4, 3, torch.float32, True, True, True, 1.0),
+    "atom type": (4, 3, torch.float32, False, True, True, 2),
+}
+
+
 def test_a_changed_leaf_changes_the_record():
     """Each thing a record says about a leaf, changed alone, gives another fingerprint (the kept key has it)."""
     binding = Binding(_forward, IN_DIMS, 0)
     describe = StepDescriber(False, hash_values=False)
-    base = (4, 3, torch.float32, False, True, True, 1.0)
-    changes = {
-        "B": (6, 3, torch.float32, False, True, True, 1.0),
-        "shape": (4, 5, torch.float32, False, True, True, 1.0),
-        "dtype": (4, 3, torch.float64, False, True, True, 1.0),
-        "requires_grad": (4, 3, torch.float32, True, True, True, 1.0),
-        "atom type": (4, 3, torch.float32, False, True, True, 2),
-    }
+    base, changes = BASE, CHANGES
     for _ in range(3):
         plan = plan_call(binding, *_call(*base), 2)
         first = describe(plan, None)

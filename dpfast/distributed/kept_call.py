@@ -23,25 +23,28 @@ from typing import Any
 from .. import ops
 from ..plan.call_plan import CallPlan
 from ..trees.binding import Binding, BoundArguments
-from ..trees.flatten import is_leaf
 from .agreement import OK, StepRecord
-from .sharding import Share
+from .sharding import Share, cut_into
 
 
 class KeptCall:
     """The last planned call's skeleton and what it read of its tensors, with the record, share (None: per-rank
     inputs, of ``rows`` rows) and first rank with rows that it gave."""
 
-    __slots__ = ("skeleton", "batch", "facts", "items", "fp", "share", "rows", "first", "declined")
+    __slots__ = ("skeleton", "batch", "facts", "items", "fp", "share", "first", "declined")
 
     def __init__(
         self, skeleton: Any, batch: tuple, facts: tuple, record: StepRecord | None, share: Share | None, first: int
     ):
         self.skeleton, self.batch, self.facts, self.share, self.first = skeleton, batch, facts, share, first
-        self.rows = batch[0]
         # (a record's items are never changed once made: StepDescriber serves one dict to many records too)
         self.items, self.fp = (None, None) if record is None else (record.items, record.fp)
         self.declined: tuple | None = None  # what the last declined call read of its tensors (see `of`)
+
+    @property
+    def rows(self) -> int:
+        """``B`` of the kept call (per-rank inputs: this rank's rows)."""
+        return self.batch[0]
 
     @classmethod
     def of(
@@ -55,7 +58,7 @@ class KeptCall:
             return None
         if (share is not None and share.stop <= share.start) or (record is not None and record.status != OK):
             return None
-        tensors = _tensors(tree.flat, tree.skeleton.tensors)
+        tensors = tree.skeleton.tensor_values(tree.flat)
         if any(t.requires_grad for t in tensors):
             return None
         read = read or _read(tensors, tree.skeleton.specs)
@@ -69,18 +72,14 @@ class KeptCall:
         if binding.skeleton is not skeleton:
             return None
         tree = None
-        if skeleton.flat:  # every argument one leaf (model(x)): read as BoundArguments.again reads it, in place
-            if len(inputs) != skeleton.n_args or tuple(kwargs) != skeleton.kw_keys:
-                return None
-            flat = (*inputs, *kwargs.values()) if kwargs else inputs
-            if not all(map(is_leaf, skeleton.args, flat)):
-                return None
+        if skeleton.flat:  # every argument one leaf (model(x)): no tree to make
+            flat = skeleton.read_flat(inputs, kwargs)
         else:
             tree = BoundArguments.again(binding, skeleton, inputs, kwargs)
-            if tree is None:
-                return None
-            flat = tree.flat
-        tensors = _tensors(flat, skeleton.tensors)
+            flat = None if tree is None else tree.flat
+        if flat is None:
+            return None
+        tensors = skeleton.tensor_values(flat)
         read = _read(tensors, skeleton.specs)
         if read != (self.batch, self.facts):
             # planning reads this call along the same skeleton next: what was read here need not be read again
@@ -90,25 +89,11 @@ class KeptCall:
         share = self.share
         if share is None:  # per-rank inputs: this rank's rows are all of them
             return inputs, kwargs, record
-        cut = ops._narrow_many(tensors, self.batch[1], share.start, share.stop - share.start)
-        if cut is None:
+        values = list(flat)
+        if not cut_into(values, skeleton.tensors, self.batch[1], share.start, share.stop - share.start):
             return None
-        if len(cut) == len(flat):  # every leaf a tensor
-            values = cut
-        else:
-            values = list(flat)
-            for i, v in zip(skeleton.tensors, cut):
-                values[i] = v
-        if tree is not None:
-            args, kw = tree.rebuild(values)
-        else:
-            n = skeleton.n_args
-            args, kw = tuple(values[:n]), dict(zip(skeleton.kw_keys, values[n:]))
+        args, kw = skeleton.rebuild_flat(values) if tree is None else tree.rebuild(values)
         return args, kw, record
-
-
-def _tensors(flat: Sequence[Any], where: list[int]) -> Sequence[Any]:
-    return flat if len(where) == len(flat) else [flat[i] for i in where]
 
 
 def _read(tensors: Sequence[Any], specs: list) -> tuple[tuple, tuple] | None:

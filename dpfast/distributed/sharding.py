@@ -101,12 +101,22 @@ def cut_rows(plan: CallPlan, start: int, length: int, subs: dict | None = None) 
     values = _leaf_values(tree, subs)
     axes, _ = tree.split
     where = tree.skeleton.tensors
-    cut = ops._narrow_many([values[i] for i in where], axes, start, length)  # one call for every tensor
-    if cut is None:  # (a torch-function mode sees each narrow; rows outside a tensor raise torch's error)
-        cut = [_narrowed(values[i], axis, start, length) if axis >= 0 else values[i] for i, axis in zip(where, axes)]
+    if not cut_into(values, where, axes, start, length):  # (a torch-function mode sees each narrow; rows outside
+        for i, axis in zip(where, axes):  # a tensor raise torch's error)
+            if axis >= 0:
+                values[i] = _narrowed(values[i], axis, start, length)
+    return tree.rebuild(values)
+
+
+def cut_into(values: list, where: Sequence[int], axes: Sequence[int], start: int, length: int) -> bool:
+    """The tensors ``values[where[k]]`` cut to rows ``start:start+length`` along ``axes[k]`` (-1: left as they are),
+    in place, by one call into the extension; False (``values`` unchanged) when it declines."""
+    cut = ops._narrow_many([values[i] for i in where], axes, start, length)
+    if cut is None:
+        return False
     for i, v in zip(where, cut):
         values[i] = v
-    return tree.rebuild(values)
+    return True
 
 
 def _narrowed(t: torch.Tensor, axis: int, start: int, length: int) -> torch.Tensor:

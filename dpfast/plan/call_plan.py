@@ -289,8 +289,7 @@ def _plan_again(
     tree = BoundArguments.again(binding, skeleton, args, kwargs) if skeleton is not None else None
     if tree is None:
         return False
-    flat = tree.flat
-    tensors = flat if len(skeleton.tensors) == len(flat) else [flat[i] for i in skeleton.tensors]
+    tensors = skeleton.tensor_values(tree.flat)
     facts = ops._plain_batch(tensors, skeleton.specs, not devices or devices[0].type == "cuda")
     if facts is None or facts[0] <= 0:
         return True

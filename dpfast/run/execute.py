@@ -36,7 +36,7 @@ class _CallerContext:
         self.grad = torch.is_grad_enabled()
         self.inference = torch.is_inference_mode_enabled()
         self.autocast: dict[str, tuple[torch.dtype, bool]] = {}
-        types = _types(tuple(devices))
+        types = _device_kinds(tuple(devices))[0]
         for dtype in types:
             st = _autocast_state(dtype)
             if st is not None:
@@ -125,7 +125,7 @@ def run_replicas(
     context = _CallerContext(devices)
     tasks: list[threading.Event] = []
 
-    on_cuda = _on_cuda(tuple(devices))
+    on_cuda = _device_kinds(tuple(devices))[1]
 
     def run(i: int) -> BaseException | None:
         try:
@@ -161,13 +161,9 @@ def run_replicas(
 
 
 @functools.lru_cache(maxsize=64)
-def _types(devices: tuple[torch.device, ...]) -> tuple[str, ...]:
-    return tuple(sorted({d.type for d in devices}))
-
-
-@functools.lru_cache(maxsize=64)
-def _on_cuda(devices: tuple[torch.device, ...]) -> tuple[bool, ...]:
-    return tuple(d.type == "cuda" for d in devices)
+def _device_kinds(devices: tuple[torch.device, ...]) -> tuple[tuple[str, ...], tuple[bool, ...]]:
+    """A device list's distinct types, sorted, and whether each entry is a CUDA device (read once per list)."""
+    return tuple(sorted({d.type for d in devices})), tuple(d.type == "cuda" for d in devices)
 
 
 def _spawner(pool: WorkerPool, context: _CallerContext, tasks: list[threading.Event]) -> Callable:

@@ -215,7 +215,7 @@ class Replica:
                 mine.update((k, rebind(h, self._replica_of)) for k, h in theirs.items())
 
 
-_DICT_OF = operator.attrgetter("__dict__")
+DICT_OF = operator.attrgetter("__dict__")  # (map(DICT_OF, modules): a module's __dict__ each, in C)
 
 
 def undo_all(replicas: list[Replica]) -> None:
@@ -225,7 +225,7 @@ def undo_all(replicas: list[Replica]) -> None:
     for replica in replicas:
         if replica.dirty:
             own = replica._live
-            own[::4] = map(_DICT_OF, replica.modules)  # (a __dict__ can be replaced; the other three are in it)
+            own[::4] = map(DICT_OF, replica.modules)  # (a __dict__ can be replaced; the other three are in it)
             live += own
             pristine += replica._pristine
     if live:

@@ -22,11 +22,10 @@ from collections.abc import Iterable, Sequence
 
 from torch import Tensor
 
-from .replica_copies import SourceSnapshot, tensors_of
+from .replica_copies import DICT_OF, SourceSnapshot, tensors_of
 from .shallow_snapshots import all_same, snap
 
 _VERSION = operator.attrgetter("_version")
-_DICT_OF = operator.attrgetter("__dict__")
 
 
 def _versions(tensors: Iterable[Tensor]) -> list[int]:
@@ -50,7 +49,7 @@ class WriteWatch:
     def _take(self) -> tuple:
         """The modules' ``__dict__`` snapshots, their tensors and the tensors' versions, as they are now."""
         s = self.snapshot
-        dicts = list(map(_DICT_OF, s.modules))
+        dicts = list(map(DICT_OF, s.modules))
         if all_same(dicts + s.own_dicts, s.keys, s.values):  # as the replicas were copied: what was read then holds
             keys, values, tensors = s.dict_keys, s.dict_values, s.tensors()
         else:
@@ -68,7 +67,7 @@ class WriteWatch:
             return
         keys, values, tensors, versions = state
         # the same attributes (by identity: a new tensor attribute is a change too), and each tensor's version
-        if all_same(list(map(_DICT_OF, self.snapshot.modules)), keys, values) and _versions(tensors) == versions:
+        if all_same(list(map(DICT_OF, self.snapshot.modules)), keys, values) and _versions(tensors) == versions:
             return
         self._report(i, keys, values, tensors, versions)
         self._state = self._take()

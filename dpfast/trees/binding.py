@@ -16,7 +16,7 @@ from typing import Any, Callable
 from torch import Tensor
 
 from .containers import LEAF, TreeDef
-from .flatten import Skeleton, read_along, skeleton_of, unflatten_from
+from .flatten import Skeleton, is_leaf, read_along, skeleton_of, unflatten_from
 from .specs import ITEMS, Leaf, Spec, Walk, is_int, is_leaf_spec, path_text, validate_spec
 
 
@@ -325,8 +325,7 @@ class BoundArguments:
         makes every KV cache a new object (a replica's own, see :func:`~dpfast.trees.flatten.unflatten_from`)."""
         skeleton = self.skeleton
         if skeleton is not None and skeleton.flat:  # every argument is one leaf: nothing to unflatten
-            n = self.n_args
-            return tuple(new_leaves[:n]), dict(zip(self.kw_keys, new_leaves[n:]))
+            return skeleton.rebuild_flat(new_leaves)
         it = iter(new_leaves)
         values = [unflatten_from(d, it, own_caches) for d in self.arg_defs]
         return tuple(values[: self.n_args]), dict(zip(self.kw_keys, values[self.n_args :]))
@@ -348,6 +347,23 @@ class CallSkeleton:
         self._named = False  # whether the paths in `leaves` are text yet (see named)
         self.tensors = [leaf.index for leaf in tree.leaves if type(leaf.value) is Tensor]  # positions among leaves
         self.specs = [tree.leaves[i].spec for i in self.tensors]
+
+    def read_flat(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Sequence[Any] | None:
+        """A :attr:`flat` skeleton's call's leaves, as ``BoundArguments.again`` reads them (None: another structure)."""
+        if len(args) != self.n_args or tuple(kwargs) != self.kw_keys:
+            return None
+        flat = (*args, *kwargs.values()) if kwargs else args
+        return flat if all(map(is_leaf, self.args, flat)) else None
+
+    def rebuild_flat(self, leaves: Sequence[Any]) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` of a :attr:`flat` skeleton's call from its leaves."""
+        n = self.n_args
+        return tuple(leaves[:n]), dict(zip(self.kw_keys, leaves[n:]))
+
+    def tensor_values(self, flat: Sequence[Any]) -> Sequence[Any]:
+        """The tensors among a call's leaves ``flat`` (read along this skeleton), in order."""
+        where = self.tensors
+        return flat if len(where) == len(flat) else [flat[i] for i in where]
 
     def named(self) -> list[tuple]:
         """``leaves`` with their paths as text, put into words once per structure, when a call read along it first

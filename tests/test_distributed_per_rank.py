@@ -249,6 +249,54 @@ def _outputs_grow():
         out.sum().backward()
 
 
+class _Shapes(nn.Module):
+    """Outputs of the structure ``kind`` names: one tensor, a tuple with a leaf gathered along its last axis, or a
+    dict with a kept None, a mean and a float64 tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x, kind):
+        y = self.lin(x)
+        if kind == "tensor":
+            return y
+        if kind == "tuple":
+            return y, y.t()
+        return {"y": y, "none": None, "mean": y.mean(), "wide": y.double().repeat(1, 2)}
+
+
+_SHAPES_OUT_DIMS = {"tensor": 0, "tuple": (0, 1), "dict": {"y": 0, "mean": "mean", "wide": 0}}
+
+
+def _outputs_change():
+    """Outputs that change from step to step, and repeat: every gathered one equals the full batch's, whether the
+    layout is kept or walked again, the ranks' rows equal (one block per tensor) or not, or a rank has none."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    wrappers = {
+        kind: dpfast.DistributedDataParallel(_Shapes().to(DT), inputs="per_rank", gather_outputs=True, out_dims=dims)
+        for kind, dims in _SHAPES_OUT_DIMS.items()
+    }
+    steps = [("tensor", 3), ("tensor", 3), ("tensor", None), ("tensor", None), ("tuple", 2), ("tuple", 2)]
+    steps += [("tuple", None), ("dict", 4), ("dict", 4), ("dict", None), ("dict", None), ("tensor", 3)]
+    for kind, rows in steps:
+        mine = rows if rows is not None else 1 + rank  # None: uneven shares (rank 0's one row)
+        if rows is not None and kind == "dict" and rank == world - 1:
+            mine = 0  # the dict's mean over a rank without rows: weighted by share
+        x = torch.randn(mine, 4, dtype=DT)
+        ddp = wrappers[kind]
+        out = ddp(x, kind)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, x)
+        with solo_context():
+            want = ddp.module(torch.cat(everyone), kind)
+        if kind == "dict":
+            assert out["none"] is None
+            out, want = {k: v for k, v in out.items() if k != "none"}, {k: v for k, v in want.items() if k != "none"}
+        assert_tree_close(out, want, f"{kind} outputs, rows {rows}")
+        (out if kind == "tensor" else out["y"] if kind == "dict" else out[0]).sum().backward()
+
+
 def _scenarios(world):
     return {
         "rrn_B7": functools.partial(_rrn, 7),
@@ -263,6 +311,7 @@ def _scenarios(world):
         "bad_batch_on_one_rank": _bad_batch_on_one_rank,
         "sampler_loading": _sampler_loading,
         "outputs_grow": _outputs_grow,
+        "outputs_change": _outputs_change,
     }
 
 

@@ -141,7 +141,7 @@ def test_shard_batch_cuts_items_as_data_parallel_does():
 
 
 def test_ddp_gather_outputs_says_it_cannot_all_gather_items():
-    from dpfast.distributed.outputs import _sort_leaves
+    from dpfast.distributed.output_layout import sort_outputs
 
     with pytest.raises(TypeError, match=r"`output` has out_dims 'items', which gather_outputs cannot all-gather"):
-        _sort_leaves(_seqs([1, 2]), "items", 0, True)
+        sort_outputs(_seqs([1, 2]), "items", 0, True)

@@ -123,52 +123,53 @@ def through_input_grads(tree: Any, group: RankGroup, average: bool) -> dict:
 
 @dataclasses.dataclass
 class GatheredOutputs:
-    """One exchange of outputs as every rank knows it once the bytes are gathered: per tensor its kind (``"cat"``
-    or ``"red"``), axis, this rank's local shape, dtype and device; per ``"cat"`` tensor every rank's rows; per
-    ``"red"`` tensor every rank's weight; and every rank's contribution, as the tensors ``pieces[r][i]``."""
+    """One exchange of outputs as every rank knows it once the bytes are gathered: the outputs' layout (per tensor
+    its kind, ``"cat"`` or ``"red"``, axis, this rank's local shape, dtype and device; see
+    :class:`~dpfast.distributed.output_layout.OutputLayout`), every rank's rows of each "cat" tensor, every rank's
+    weight in a "red" one, and per tensor the ranks' parts (views of the gathered bytes): a "cat" tensor's rows
+    along axis 0, in rank order, of the ranks that sent some; a "red" tensor's contribution of every rank."""
 
     group: RankGroup
-    kinds: list[str]
-    axes: list[int]
-    shapes: list[tuple]
-    dtypes: list[torch.dtype]
-    devices: list[torch.device]
-    rows: list[list[int] | None]  # per tensor: rows of every rank ("cat"), None ("red")
-    weights: list[float]  # per rank: its factor in a "red" ("mean": its share, "sum": 1 or 0)
-    sum_weights: list[float]
-    reductions: list[str]  # per tensor: "sum" | "mean" ("red"), "" ("cat")
-    pieces: list[list[Tensor]]  # per rank, per tensor: its contribution (rows along axis 0 for "cat")
+    layout: Any
+    rows: list[tuple[int, ...]]  # per rank: its rows of each "cat" tensor
+    weights: list[float]  # per rank: its factor in a "mean" (its share)
+    sum_weights: list[float]  # per rank: its factor in a "sum" (1 or 0)
+    parts: list[list[Tensor]]
 
     def assemble(self) -> list[Tensor]:
         """The full-batch outputs: "cat" tensors concatenated in rank order, "red" ones summed in rank order."""
-        outs = []
-        for i, kind in enumerate(self.kinds):
+        lay, outs = self.layout, []
+        for i, kind in enumerate(lay.kinds):
+            parts, shape, device = self.parts[i], lay.shapes[i], lay.devices[i]
             if kind == "cat":
-                parts = [self.pieces[r][i] for r in range(self.group.world) if self.rows[i][r]]
-                empty = (0,) + row_shape(self.shapes[i], self.axes[i])
-                full = torch.cat(parts, 0) if parts else torch.empty(empty, dtype=self.dtypes[i])
-                full = full.to(self.devices[i])
-                outs.append(full.movedim(0, self.axes[i]) if self.shapes[i] else full)  # 0-dim: stacked
+                if len(parts) == 1:
+                    full = parts[0]
+                elif parts:
+                    full = torch.cat(parts, 0)
+                else:
+                    full = torch.empty((0, *row_shape(shape, lay.axes[i])), dtype=lay.dtypes[i])
+                full = full.to(device)
+                outs.append(full.movedim(0, lay.axes[i]) if shape and lay.axes[i] else full)  # 0-dim: stacked
                 continue
-            w = self.weights if self.reductions[i] == "mean" else self.sum_weights
+            w = self.weights if lay.reductions[i] == "mean" else self.sum_weights
             total = None
-            for r in range(self.group.world):
+            for r, part in enumerate(parts):
                 if w[r]:
-                    term = self.pieces[r][i] if w[r] == 1 else self.pieces[r][i] * w[r]
+                    term = part if w[r] == 1 else part * w[r]
                     total = term if total is None else total + term
             if total is None:
-                total = torch.zeros(self.shapes[i], dtype=self.dtypes[i])
-            outs.append(total.to(self.devices[i]))
+                total = torch.zeros(shape, dtype=lay.dtypes[i])
+            outs.append(total.to(device))
         return outs
 
     def backward(self, grads: Sequence[Tensor | None]) -> list[Tensor | None]:
         """The adjoint: every rank's output gradients summed (one all-reduce per dtype), this rank's part kept."""
         out: list[Tensor | None] = [None] * len(grads)
         by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, dtype in enumerate(self.dtypes):
+        for i, dtype in enumerate(self.layout.dtypes):
             if dtype.is_floating_point or dtype.is_complex:
                 by_dtype.setdefault(dtype, []).append(i)
-        g = self.group
+        g, devices = self.group, self.layout.devices
         for idx in by_dtype.values():
             flat = [grads[i].reshape(-1).to(g.comm_device) for i in idx]  # materialized: zeros where unused
             buf = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
@@ -177,21 +178,23 @@ class GatheredOutputs:
             o = 0
             for i in idx:
                 n = grads[i].numel()
-                out[i] = self._own_part(i, buf[o : o + n].view(grads[i].shape).to(self.devices[i]))
+                out[i] = self._own_part(i, buf[o : o + n].view(grads[i].shape).to(devices[i]))
                 o += n
         return out
 
     def _own_part(self, i: int, summed: Tensor) -> Tensor:
-        dtype, device, shape = self.dtypes[i], self.devices[i], self.shapes[i]
+        lay = self.layout
+        dtype, device, shape = lay.dtypes[i], lay.devices[i], lay.shapes[i]
         r = self.group.rank
-        if self.kinds[i] == "red":
-            w = (self.weights if self.reductions[i] == "mean" else self.sum_weights)[r]
+        if lay.kinds[i] == "red":
+            w = (self.weights if lay.reductions[i] == "mean" else self.sum_weights)[r]
             return torch.zeros(shape, dtype=dtype, device=device) if w == 0 else summed * w
-        rows = self.rows[i]
+        j = lay.kinds[:i].count("cat")  # its place among the "cat" tensors
+        rows = [mine[j] for mine in self.rows]
         start, n_rows = sum(rows[:r]), rows[r]
         if len(shape) == 0:  # a 0-dim output, stacked: this rank's entry (if it counted)
             return summed[start] if n_rows else torch.zeros((), dtype=dtype, device=device)
-        axis = self.axes[i]
+        axis = lay.axes[i]
         if n_rows != shape[axis]:  # a rank whose outputs do not count (a ghost, or not rank 0 when nothing split)
             return torch.zeros(shape, dtype=dtype, device=device)
         return summed.narrow(axis, start, n_rows)

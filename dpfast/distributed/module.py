@@ -54,6 +54,7 @@ from .ddp_overrides import KeepingStepOverrides, _ShareRefused
 from .exchanges import RankGroup, through_input_grads
 from .keeping_step import CollectiveLog, EmptyShare
 from .kept_call import KeptCalls
+from .output_layout import KeptLayouts
 from .outputs import OutputsCall, gather_across_ranks
 from .settings import FIXED, agree_on_settings, check_settings, describe_settings
 from .sharding import Share, rank_call
@@ -70,6 +71,7 @@ class _CallState:
     log: CollectiveLog | None = None  # the process-group collectives of the forward
     ghost_error: BaseException | None = None
     capacity: int = 0  # bytes the output exchange's first all-gather carries (the same on every rank)
+    layouts: KeptLayouts = dataclasses.field(default_factory=KeptLayouts)  # the last outputs' layout
 
 
 class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataParallel):
@@ -304,6 +306,7 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
             None if per_rank else (s.sizes if s is not None else ()),
             self._call.pending_rows if per_rank else None,
             self._call.capacity,
+            self._call.layouts,
         )
         result, rows, self._call.capacity = gather_across_ranks(call, outputs, failed)
         if per_rank and rows is not None and min(rows) >= 0:

@@ -1,0 +1,234 @@
+"""What the output exchange of ``gather_outputs=True`` sends of one call's outputs, and where in the bytes.
+
+:func:`sort_outputs` walks the outputs with ``out_dims`` (as every rank must, the same way) into an
+:class:`OutputLayout` (what is fixed by the outputs' structure and their tensors' facts: each leaf's fate, each
+tensor's kind, axis, shape, dtype and device, the description every rank must agree on and its fingerprint) and
+this call's values. A training loop returns the same structure every step, so the wrapper keeps the last layout
+(:class:`KeptLayouts`): outputs of the very same skeleton (:class:`~dpfast.trees.flatten.Skeleton`) whose tensors
+read the same (sizes, dtype, ``requires_grad``, device; one call into the extension) are sorted by it without the
+walk, the checks or the fingerprint. Anything else (a number under ``"sum"``/``"mean"``, whose value changes; a
+container a skeleton cannot keep; a tensor that is not a plain one) is walked in full every call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.nn.utils.rnn import PackedSequence
+
+from .. import ops
+from ..trees.containers import LEAF, TreeDef
+from ..trees.flatten import Skeleton, is_leaf, skeleton_of
+from ..trees.specs import Leaf, Spec, match_spec
+from .agreement import fingerprint
+from .exchanges import row_shape
+
+_PLACEMENTS = 64  # the most rows tuples a layout keeps the placement of
+ALIGN = 16  # every piece of a payload starts at a multiple of this many bytes (any dtype's view is aligned)
+
+
+def aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclasses.dataclass
+class Placement:
+    """Where a payload puts its pieces: the rows of each "cat" tensor (int64) at 0, then each tensor's bytes at
+    ``offsets[i]`` (``nbytes[i]`` long, shaped ``shapes[i]``: a "cat" tensor's rows along axis 0); ``size`` in all."""
+
+    offsets: list[int]
+    nbytes: list[int]
+    shapes: list[tuple]
+    size: int
+
+
+@dataclasses.dataclass
+class OutputLayout:
+    """What the exchange needs of outputs of one structure and one set of tensor facts (see the module docstring).
+    Per leaf ``slots``: ``("keep",)`` (this rank's value stays) or ``("t", index, number type)``; per tensor its
+    kind (``"cat"`` | ``"red"``), reduction (``"sum"`` | ``"mean"`` | ``""``), axis, local shape, dtype, device."""
+
+    slots: list[tuple] = dataclasses.field(default_factory=list)
+    kinds: list[str] = dataclasses.field(default_factory=list)
+    reductions: list[str] = dataclasses.field(default_factory=list)
+    axes: list[int] = dataclasses.field(default_factory=list)
+    shapes: list[tuple] = dataclasses.field(default_factory=list)
+    dtypes: list[torch.dtype] = dataclasses.field(default_factory=list)
+    devices: list[torch.device] = dataclasses.field(default_factory=list)
+    desc: list[Any] = dataclasses.field(default_factory=list)  # what every rank must agree on
+    fp: int = 0
+    n_cat: int = 0
+    tensor_leaves: list[int] = dataclasses.field(default_factory=list)  # per tensor: its leaf's position
+    _placements: dict = dataclasses.field(default_factory=dict)
+
+    def placement(self, rows: tuple[int, ...]) -> Placement:
+        """Where a payload whose "cat" tensors have ``rows`` rows each puts its pieces (worked out once per rows)."""
+        got = self._placements.get(rows)
+        if got is None:
+            if len(self._placements) >= _PLACEMENTS:  # the ranks' rows change from call to call: keep a few
+                self._placements.clear()
+            got = self._placements[rows] = self._place(rows)
+        return got
+
+    def _place(self, rows: tuple[int, ...]) -> Placement:
+        offset, it = aligned(8 * len(rows)), iter(rows)
+        offsets, nbytes, shapes = [], [], []
+        for kind, shape, axis, dtype in zip(self.kinds, self.shapes, self.axes, self.dtypes):
+            if kind == "cat":
+                shape = (next(it),) + row_shape(shape, axis)
+            n = dtype.itemsize * math.prod(shape)
+            offsets.append(offset)
+            nbytes.append(n)
+            shapes.append(shape)
+            offset += aligned(n)
+        return Placement(offsets, nbytes, shapes, offset)
+
+    def own_rows(self, active: bool) -> tuple[int, ...]:
+        """The rows this rank sends of each "cat" tensor (none when its outputs do not count)."""
+        if not active:
+            return (0,) * self.n_cat
+        return tuple(1 if not s else s[a] for k, s, a in zip(self.kinds, self.shapes, self.axes) if k == "cat")
+
+
+@dataclasses.dataclass
+class SortedOutputs:
+    """One call's outputs sorted by a layout: the tree to rebuild, its leaves' values, and its tensors."""
+
+    layout: OutputLayout
+    tdef: TreeDef | None
+    values: list[Any]
+    tensors: list[Tensor]
+
+
+def sort_outputs(out: Any, spec: Spec, dim: int, explicit: bool) -> tuple[SortedOutputs, Any]:
+    """``out`` walked with ``spec`` (the full walk, with every check); also the skeleton and tensor facts that key
+    its layout for the next call (None when it cannot be kept). Raises TypeError/ValueError naming the output."""
+    leaves: list[Leaf] = []
+    tdef = match_spec(out, spec, "output", dim, explicit, "out_dims", leaves)
+    layout, tensors = OutputLayout(), []
+    keepable = True
+    for leaf in leaves:
+        v, s = leaf.value, leaf.spec
+        if v is None or s is None:
+            layout.desc.append((leaf.path, "keep", repr(s), v is None))
+            layout.slots.append(("keep",))
+        elif s == "items":
+            raise TypeError(
+                f"output `{leaf.path}` has out_dims 'items', which gather_outputs cannot all-gather yet; give it "
+                "out_dims None to keep this rank's own items"
+            )
+        elif isinstance(s, str):
+            keepable &= _reduced_leaf(layout, tensors, leaf)
+        else:
+            _concatenated_leaf(layout, tensors, leaf)
+    layout.fp = fingerprint(layout.desc)
+    layout.n_cat = layout.kinds.count("cat")
+    layout.tensor_leaves = [i for i, slot in enumerate(layout.slots) if slot[0] == "t"]
+    sorted_ = SortedOutputs(layout, tdef, [leaf.value for leaf in leaves], tensors)
+    key = None
+    if keepable:
+        skeleton = skeleton_of(tdef, sorted_.values)
+        facts = _facts(tensors)
+        key = None if skeleton is None or facts is None else (skeleton, facts)
+    return sorted_, key
+
+
+def _reduced_leaf(layout: OutputLayout, tensors: list, leaf: Leaf) -> bool:
+    """Sorts a leaf under "sum"/"mean"; whether its layout can be kept (not for a number: its value changes)."""
+    v, s = leaf.value, leaf.spec
+    if isinstance(v, Tensor):
+        t, num = v, None
+    elif isinstance(v, numbers.Number) and not isinstance(v, bool):
+        num = type(v) if s == "sum" and isinstance(v, int) else float
+        t = torch.tensor(v, dtype=torch.int64 if num is int else torch.float64)
+    else:
+        raise TypeError(
+            f"output `{leaf.path}` is a {type(v).__name__}; out_dims {s!r} needs tensors or numbers from every rank"
+        )
+    layout.desc.append((leaf.path, s, tuple(t.shape), str(t.dtype)))
+    _add(layout, tensors, t, num, "red", s, 0)
+    return num is None
+
+
+def _concatenated_leaf(layout: OutputLayout, tensors: list, leaf: Leaf) -> None:
+    v, s = leaf.value, leaf.spec
+    if isinstance(v, PackedSequence):
+        raise TypeError(
+            f"output `{leaf.path}` is a PackedSequence, which gather_outputs cannot all-gather yet; return it padded "
+            "(torch.nn.utils.rnn.pad_packed_sequence), or give it out_dims None to keep this rank's own value"
+        )
+    if not isinstance(v, Tensor):
+        raise TypeError(
+            f"output `{leaf.path}` is a {type(v).__name__}, which cannot be concatenated along axis {s}; give it "
+            "out_dims None (this rank's value), 'sum' or 'mean'"
+        )
+    if v.dim() and not -v.dim() <= s < v.dim():
+        raise ValueError(
+            f"output `{leaf.path}` has shape {tuple(v.shape)}: axis {s} is out of range; give it another out_dims "
+            "axis, or None/'sum'/'mean'"
+        )
+    axis = s % v.dim() if v.dim() else 0
+    layout.desc.append((leaf.path, "cat", axis, v.dim(), str(v.dtype), row_shape(tuple(v.shape), axis)))
+    _add(layout, tensors, v, None, "cat", "", axis)
+
+
+def _add(layout: OutputLayout, tensors: list, t: Tensor, num: Any, kind: str, reduction: str, axis: int) -> None:
+    layout.slots.append(("t", len(tensors), num))
+    tensors.append(t)
+    layout.kinds.append(kind)
+    layout.reductions.append(reduction)
+    layout.axes.append(axis)
+    layout.shapes.append(tuple(t.shape))
+    layout.dtypes.append(t.dtype)
+    layout.devices.append(t.device)
+
+
+def _facts(tensors: list[Tensor]) -> tuple | None:
+    """What keys a layout of these tensors (sizes, dtype, ``requires_grad``, device); None: not plain tensors."""
+    facts = ops._tensor_facts(tensors)
+    return None if facts is None else (facts, tuple(t.device for t in tensors))
+
+
+class KeptLayouts:
+    """One wrapper's last layout, and the key it was sorted under: outputs of the same skeleton and facts are
+    sorted by it again (:meth:`sort`); anything else is walked in full, and its layout kept for the next call."""
+
+    __slots__ = ("skeleton", "facts", "layout")
+
+    def __init__(self) -> None:
+        self.skeleton: Any = None
+        self.facts: tuple | None = None
+        self.layout: OutputLayout | None = None
+
+    def sort(self, out: Any, spec: Spec, dim: int, explicit: bool) -> SortedOutputs:
+        """``out`` sorted for the exchange (by the kept layout when it reads the same, else walked in full)."""
+        got = self._read(out)
+        if got is not None:
+            return got
+        got, key = sort_outputs(out, spec, dim, explicit)
+        self.skeleton, self.facts = key if key is not None else (None, None)
+        self.layout = got.layout if key is not None else None
+        return got
+
+    def _read(self, out: Any) -> SortedOutputs | None:
+        skeleton, layout = self.skeleton, self.layout
+        if layout is None:
+            return None
+        if type(skeleton) is Skeleton:
+            values: list = []
+            tdef = skeleton.read(out, values)
+            if tdef is None:
+                return None
+        elif is_leaf(skeleton, out):
+            tdef, values = LEAF, [out]
+        else:
+            return None
+        tensors = [values[i] for i in layout.tensor_leaves]
+        if _facts(tensors) != self.facts:
+            return None
+        return SortedOutputs(layout, tdef, values, tensors)

@@ -45,6 +45,18 @@ def _narrow_many(tensors: Sequence[Tensor], axes: Sequence[int], start: int, len
 # per tensor its sizes, dtype and requires_grad, in one flat tuple, or NotImplemented
 def _tensor_facts(tensors: Sequence[Tensor]) -> Any: ...
 
+# one rank's bytes of DDP's output exchange (csrc/python_exchange.cpp): size zeroed bytes on device, the ints from
+# byte 0, each tensor (its axis moved to the front) at base + its offset; or NotImplemented
+def _pack_payload(
+    size: int,
+    device: torch.device,
+    ints: Sequence[int],
+    tensors: Sequence[Tensor],
+    axes: Sequence[int],
+    offsets: Sequence[int],
+    base: int,
+) -> Any: ...
+
 # A module tree's dicts checked and restored by identity (csrc/python_dicts.cpp; dpfast/run/shallow_snapshots.py
 # does the same in Python for whatever these decline).
 # whether every dicts[i] holds exactly keys[i] bound to values[i], in order, by identity; or NotImplemented

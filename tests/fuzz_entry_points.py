@@ -1,7 +1,8 @@
 """A seeded fuzzer of the extension's CPython argument parsing: hostile objects inside legal-looking arguments.
 
 Each round takes one private entry point of ``dpfast._C`` or ``dpfast._C_hooks`` (the cost arithmetic, the kernel-
-walk hooks, the ops' fast path, the entry points of many leaves, the replicas' dict checks) with valid arguments,
+walk hooks, the ops' fast path, the entry points of many leaves, the replicas' dict checks, the output exchange's
+bytes) with valid arguments,
 then hides a hostile object in one of them: an int whose ``__index__`` empties, shrinks or grows the list it sits in
 (or every list of the call), raises, or returns a number past int64; an object whose ``__class__`` claims to be a
 Tensor; a list subclass whose ``__iter__`` and ``__len__`` lie; for the replicas' dict checks, keys and values whose
@@ -82,7 +83,7 @@ def fresh(values: list[int]) -> list[int]:
 def draw_call(r: random.Random) -> tuple[str, Callable, list[Any]]:
     """(name, function, arguments): arguments valid as plain lists of ints and tensors."""
     choices = ["exact_prefix", "balanced_bounds", "split", "scatter", "gather", "gather_many", "plain_batch"]
-    choices += ["narrow_many", "tensor_facts", "same_dicts", "restore_dicts"]
+    choices += ["narrow_many", "tensor_facts", "same_dicts", "restore_dicts", "pack_payload"]
     if HOOKS is not None:
         choices += ["job_offsets", "replay", "side_streams", "node_streams"]
     name = r.choice(choices)
@@ -128,6 +129,17 @@ def draw_call(r: random.Random) -> tuple[str, Callable, list[Any]]:
         start = r.randrange(x.shape[0] + 1)
         rows = fresh([start, r.randrange(x.shape[0] - start + 1)])
         return name, C._narrow_many, [leaves, fresh([r.choice([0, -1]) for _ in leaves]), *rows]
+    if name == "pack_payload":  # each leaf 16-byte aligned after the ints, at most one axis moved
+        offsets, at = [], 64
+        for t in leaves:
+            offsets.append(at)
+            at += -(-t.numel() * 4 // 16) * 16
+        axes = fresh([r.choice([0, 1]) for _ in leaves])
+        return (
+            name,
+            C._pack_payload,
+            [at + r.randrange(3) * 16, torch.device("cpu"), fresh([300, 301]), leaves, axes, fresh(offsets), 0],
+        )
     if name == "job_offsets":
         sizes = [r.randrange(300, 2**20) for _ in range(r.randrange(1, 7))]
         strides = fresh([r.randrange(-(2**20), 2**20) for _ in sizes])
@@ -272,6 +284,7 @@ def same(a: Any, b: Any) -> bool:
 
 # dpfast.ops' entry points: anything unusual goes through torch.ops (or Python's own path) when they decline
 FAST_PATH = ("split", "scatter", "gather", "gather_many", "narrow_many", "tensor_facts", "same_dicts", "restore_dicts")
+FAST_PATH += ("pack_payload",)
 
 
 def judge(name: str, action: str, benign: tuple, got: tuple) -> str:

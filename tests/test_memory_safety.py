@@ -260,6 +260,32 @@ ENTRY_POINT_CASES = {
         # columns of another length than dims: declined before anything is sized by their counts
         assert C._gather_many([[]] * 100_000, [0] * 10_000, cpu, [1]) is NotImplemented
     """,
+    # _pack_payload reads exact ints and exact Tensors too, and checks every place before anything is made
+    "pack_payload_declines_hostile_items_and_places_outside": """
+        cpu, xs = torch.device("cpu"), [torch.randn(300, 2) for _ in range(3)]
+        offsets = [64, 64 + 2400, 64 + 4800]
+        buf = C._pack_payload(7264, cpu, [7, 8], xs, [0, 1, 0], offsets, 0)
+        assert buf[:16].view(torch.int64).tolist() == [7, 8]
+        assert torch.equal(buf[64:2464].view(torch.float32).view(300, 2), xs[0])
+        assert torch.equal(buf[2464:4864].view(torch.float32).view(2, 300), xs[1].t())
+        assert C._pack_payload(7264, cpu, hostile([7, 8]), xs, [0, 1, 0], offsets, 0) is NotImplemented
+        assert C._pack_payload(7264, cpu, [7, 8], xs, hostile([0, 1, 0]), offsets, 0) is NotImplemented
+        assert C._pack_payload(7264, cpu, [7, 8], xs, [0, 1, 0], hostile(offsets), 0) is NotImplemented
+        assert C._pack_payload(7264, cpu, [7, 8], [NotATensor()] * 3, [0, 1, 0], offsets, 0) is NotImplemented
+        assert C._pack_payload(7263, cpu, [7, 8], xs, [0, 1, 0], offsets, 0) is NotImplemented
+        assert C._pack_payload(2**62, cpu, [7, 8], xs, [0, 1, 0], offsets, 2**62) is NotImplemented
+        assert C._pack_payload(2**63 - 1, cpu, [7, 8], xs, [0, 1, 0], [2**63 - 8] * 3, 0) is NotImplemented
+        assert C._pack_payload(7264, cpu, [0] * 909, xs, [0, 1, 0], offsets, 0) is NotImplemented
+        assert C._pack_payload(2**64, cpu, [7, 8], xs, [0, 1, 0], offsets, 0) is NotImplemented
+    """,
+    "pack_payload_list_emptied_by_a_collection": """
+        import functools
+        xs = [torch.randn(300, 2) for _ in range(64)]
+        offsets = [2400 * i for i in range(64)]
+        pack = functools.partial(C._pack_payload, 2400 * 64, torch.device("cpu"), [])  # (no allocation per call)
+        got = emptied_by_a_collection(pack, xs, [0] * 64, offsets, 0)
+        assert got.shape == (2400 * 64,) and not xs, got
+    """,
     # _tensor_facts borrows them too: every Tensor is taken before its tuple is made
     "tensor_facts_list_emptied_by_a_collection": """
         xs = [torch.randn(300, 2) for _ in range(64)]

@@ -165,16 +165,18 @@ class GatheredOutputs:
     def backward(self, grads: Sequence[Tensor | None]) -> list[Tensor | None]:
         """The adjoint: every rank's output gradients summed (one all-reduce per dtype), this rank's part kept."""
         out: list[Tensor | None] = [None] * len(grads)
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, dtype in enumerate(self.layout.dtypes):
-            if dtype.is_floating_point or dtype.is_complex:
-                by_dtype.setdefault(dtype, []).append(i)
         g, devices = self.group, self.layout.devices
-        for idx in by_dtype.values():
-            flat = [grads[i].reshape(-1).to(g.comm_device) for i in idx]  # materialized: zeros where unused
-            buf = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
+        for idx in self.layout.grad_groups():
+            if len(idx) == 1:  # (one tensor of its dtype: summed in a contiguous copy of its own)
+                i = idx[0]
+                buf = torch.clone(grads[i], memory_format=torch.contiguous_format).to(g.comm_device)
+            else:
+                buf = torch.cat([grads[i].reshape(-1).to(g.comm_device) for i in idx])  # zeros where unused
             if buf.numel():
                 dist.all_reduce(buf, group=g.process_group)  # sum over ranks of dL_r / d(gathered output)
+            if len(idx) == 1:
+                out[idx[0]] = self._own_part(idx[0], buf.to(devices[idx[0]]))
+                continue
             o = 0
             for i in idx:
                 n = grads[i].numel()
@@ -197,7 +199,7 @@ class GatheredOutputs:
         axis = lay.axes[i]
         if n_rows != shape[axis]:  # a rank whose outputs do not count (a ghost, or not rank 0 when nothing split)
             return torch.zeros(shape, dtype=dtype, device=device)
-        return summed.narrow(axis, start, n_rows)
+        return summed if n_rows == summed.shape[axis] else summed.narrow(axis, start, n_rows)
 
 
 def row_shape(shape: tuple, axis: int) -> tuple:

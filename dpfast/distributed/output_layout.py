@@ -64,7 +64,19 @@ class OutputLayout:
     fp: int = 0
     n_cat: int = 0
     tensor_leaves: list[int] = dataclasses.field(default_factory=list)  # per tensor: its leaf's position
+    move_axes: list[int] = dataclasses.field(default_factory=list)  # per tensor: the axis its rows go along, or 0
     _placements: dict = dataclasses.field(default_factory=dict)
+    _grad_groups: list[list[int]] | None = None
+
+    def grad_groups(self) -> list[list[int]]:
+        """The tensors that take gradients (floating point and complex ones), grouped by dtype (worked out once)."""
+        if self._grad_groups is None:
+            by_dtype: dict[torch.dtype, list[int]] = {}
+            for i, dtype in enumerate(self.dtypes):
+                if dtype.is_floating_point or dtype.is_complex:
+                    by_dtype.setdefault(dtype, []).append(i)
+            self._grad_groups = list(by_dtype.values())
+        return self._grad_groups
 
     def placement(self, rows: tuple[int, ...]) -> Placement:
         """Where a payload whose "cat" tensors have ``rows`` rows each puts its pieces (worked out once per rows)."""
@@ -183,6 +195,7 @@ def _add(layout: OutputLayout, tensors: list, t: Tensor, num: Any, kind: str, re
     layout.kinds.append(kind)
     layout.reductions.append(reduction)
     layout.axes.append(axis)
+    layout.move_axes.append(axis if kind == "cat" and t.dim() else 0)
     layout.shapes.append(tuple(t.shape))
     layout.dtypes.append(t.dtype)
     layout.devices.append(t.device)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import ops
 from ..trees.containers import LEAF
 from ..trees.flatten import unflatten
 from ..trees.specs import Spec
@@ -52,6 +53,29 @@ def _write(buf: Tensor, ints: list[int], got: SortedOutputs | None, place: Place
                 buf[base + off : base + off + n].view(t.dtype).view(shape).copy_(src)
 
 
+def _payload_bytes(
+    size: int, group: RankGroup, ints: list[int], got: SortedOutputs | None, place: Placement, base: int, whole: bool
+) -> Tensor:
+    """``size`` bytes to send: ``ints`` then (with ``got``) its tensors, as :func:`_write` puts them; in one call
+    into the extension where it can (``whole``: every tensor is sent whole, this rank's outputs count)."""
+    if got is None or whole:
+        tensors, layout = (got.tensors, got.layout) if got is not None else ((), None)
+        buf = ops._pack_payload(
+            size,
+            group.comm_device,
+            ints,
+            tensors,
+            layout.move_axes if layout is not None else (),
+            place.offsets if layout is not None else (),
+            base,
+        )
+        if buf is not None:
+            return buf
+    buf = torch.zeros(size, dtype=torch.uint8, device=group.comm_device)
+    _write(buf, ints, got, place, base)
+    return buf
+
+
 def _gathered(group: RankGroup, send: Tensor) -> Tensor:
     """Every rank's ``send``, one row each (a ``(world, len(send))`` view of one buffer)."""
     recv = torch.empty(group.world * send.numel(), dtype=torch.uint8, device=send.device)
@@ -71,13 +95,14 @@ class _Exchanged:
 
 
 def _exchange_bytes(
-    group: RankGroup, header: list[int], got: SortedOutputs, rows: tuple, place: Placement, capacity: int
+    group: RankGroup, header: list[int], got: SortedOutputs, rows: tuple, place: Placement, capacity: int, whole: bool
 ) -> _Exchanged:
-    """Headers and payloads of every rank: one all-gather when every payload fits ``capacity``."""
+    """Headers and payloads of every rank: one all-gather when every payload fits ``capacity`` (``whole``: this
+    rank's outputs count, and are sent whole)."""
     n_cat = got.layout.n_cat
-    send = torch.zeros(_HEADER_BYTES + capacity, dtype=torch.uint8, device=group.comm_device)
     fits = place.size <= capacity
-    _write(send, header + list(rows) if fits else header, got if fits else None, place, _HEADER_BYTES)
+    ints = header + list(rows) if fits else header
+    send = _payload_bytes(_HEADER_BYTES + capacity, group, ints, got if fits else None, place, _HEADER_BYTES, whole)
     gathered = _gathered(group, send)
     width = HEADER_FIELDS + (n_cat if 8 * n_cat <= capacity else 0)  # the rows follow the header, if they fit
     ints = gathered[:, : 8 * width].view(torch.int64).tolist()
@@ -90,11 +115,10 @@ def _exchange_bytes(
 
 
 def _second_round(
-    group: RankGroup, got: SortedOutputs, rows: tuple, place: Placement, sizes: Sequence[int]
+    group: RankGroup, got: SortedOutputs, rows: tuple, place: Placement, sizes: Sequence[int], whole: bool
 ) -> tuple[Tensor, list[tuple[int, ...]]]:
     """Every rank's payload when one did not fit the first all-gather: the gathered bytes and every rank's rows."""
-    send = torch.zeros(max(sizes), dtype=torch.uint8, device=group.comm_device)
-    _write(send, list(rows), got, place, 0)
+    send = _payload_bytes(max(sizes), group, list(rows), got, place, 0, whole)
     gathered = _gathered(group, send)
     n_cat = got.layout.n_cat
     rows_all = gathered[:, : 8 * n_cat].view(torch.int64).tolist() if n_cat else [[]] * group.world
@@ -163,11 +187,12 @@ def gather_across_ranks(call: OutputsCall, out: Any, failed: bool) -> tuple[Any,
         layout.fp = fingerprint(layout.desc)
         got = SortedOutputs(layout, None, [], [])
     layout = got.layout
-    rows = layout.own_rows(_active(call, g.rank))
+    active = _active(call, g.rank)
+    rows = layout.own_rows(active)
     place = layout.placement(rows)
     rows_field = -1 if call.local_rows is None else call.local_rows
     header = call.check_row + [1 if error is not None else 0, layout.fp, place.size, rows_field, 0]
-    ex = _exchange_bytes(g, header, got, rows, place, call.capacity)
+    ex = _exchange_bytes(g, header, got, rows, place, call.capacity, active)
     headers = ex.headers
     call.verify([h[:3] for h in headers])  # a rank that could not plan or run its part: raised on every rank here
     if any(h[3] for h in headers) or len({h[4] for h in headers}) > 1:
@@ -178,7 +203,7 @@ def gather_across_ranks(call: OutputsCall, out: Any, failed: bool) -> tuple[Any,
     if ex.gathered is not None:
         gathered, base, all_rows = ex.gathered, _HEADER_BYTES, ex.rows
     else:
-        (gathered, all_rows), base = _second_round(g, got, rows, place, [h[5] for h in headers]), 0
+        (gathered, all_rows), base = _second_round(g, got, rows, place, [h[5] for h in headers], active), 0
     parts = _decode(layout, gathered, base, all_rows)
     return _assemble(call, got, all_rows, parts, per_rank), per_rank, ex.capacity
 

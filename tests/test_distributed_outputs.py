@@ -1,0 +1,127 @@
+"""dpfast.distributed.outputs: the bytes one rank sends in the output exchange of ``gather_outputs=True``.
+
+The extension writes them in one call (``ops._pack_payload``); it must give exactly Python's bytes (``_write``) for
+every layout, and decline (None, nothing written) whatever it cannot place: a tensor that is not a plain dense one,
+or one whose bytes would fall outside the buffer or misaligned for its dtype. The exchange itself, on 2 and 3
+ranks, is in test_distributed.py and test_distributed_per_rank.py."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dpfast import ops
+from dpfast.distributed.exchanges import RankGroup
+from dpfast.distributed.output_layout import sort_outputs
+from dpfast.distributed.outputs import _payload_bytes, _write
+from dpfast.ext.loader import LOADED
+
+pytestmark = pytest.mark.skipif(not LOADED, reason="the one-call payload is the compiled extension's")
+
+CPU = RankGroup(None, 0, 1, torch.device("cpu"))
+DTYPES = [torch.float32, torch.float64, torch.int64, torch.int8, torch.bool, torch.complex64, torch.float16]
+
+
+def _tensor(shape, dtype, transposed, grad):
+    t = (torch.randn(shape) * 10).to(dtype)
+    if transposed and t.dim() >= 2:
+        t = t.transpose(0, 1).contiguous().transpose(0, 1)  # same shape, not contiguous
+    return t.requires_grad_(grad and (dtype.is_floating_point or dtype.is_complex))
+
+
+leaves = st.tuples(
+    st.lists(st.integers(0, 4), min_size=0, max_size=3),  # shape
+    st.sampled_from(DTYPES),
+    st.booleans(),  # not contiguous
+    st.booleans(),  # requires_grad
+    st.sampled_from([0, 1, -1, "sum"]),  # out_dims of the leaf
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(leaves, min_size=1, max_size=5), st.integers(0, 3), st.booleans())
+def test_the_extensions_bytes_are_pythons(specs, extra_ints, in_first_buffer):
+    """Any outputs, with the header and rows in front or only the rows: the same bytes as Python writes."""
+    outs, dims = [], []
+    for shape, dtype, transposed, grad, spec in specs:
+        t = _tensor(shape, dtype, transposed, grad)
+        if isinstance(spec, int) and (not t.dim() and spec != 0 or t.dim() and not -t.dim() <= spec < t.dim()):
+            spec = 0 if t.dim() else "sum"
+        if spec == "sum" and dtype == torch.bool:
+            spec = 0
+        outs.append(t)
+        dims.append(spec)
+    got, _ = sort_outputs(tuple(outs), tuple(dims), 0, True)
+    layout = got.layout
+    rows = layout.own_rows(True)
+    place = layout.placement(rows)
+    base = 64 if in_first_buffer else 0
+    ints = list(range(-3, 5 + extra_ints)) if in_first_buffer else list(rows)
+    size = base + place.size + 16 * extra_ints
+    fast = ops._pack_payload(size, CPU.comm_device, ints, got.tensors, layout.move_axes, place.offsets, base)
+    assert fast is not None and fast.dtype == torch.uint8 and fast.shape == (size,) and not fast.requires_grad
+    want = torch.zeros(size, dtype=torch.uint8)
+    _write(want, ints, got, place, base)
+    assert torch.equal(fast, want)
+    assert torch.equal(_payload_bytes(size, CPU, ints, got, place, base, True), want)
+
+
+def test_a_rank_whose_outputs_do_not_count_sends_python_bytes():
+    """An inactive rank sends no rows of a "cat" tensor: Python writes its payload, the same either way."""
+    got, _ = sort_outputs((torch.randn(3, 2), torch.tensor(2.0)), (0, "mean"), 0, True)
+    rows = got.layout.own_rows(False)
+    place = got.layout.placement(rows)
+    want = torch.zeros(place.size, dtype=torch.uint8)
+    _write(want, list(rows), got, place, 0)
+    assert torch.equal(_payload_bytes(place.size, CPU, list(rows), got, place, 0, False), want)
+    assert want[8:].view(torch.float32)[1:2].tolist() == [0.0]  # no row of the "cat" tensor, the mean is there
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+def test_what_the_extension_cannot_place_is_declined():
+    x, cpu = torch.randn(4, 3), torch.device("cpu")
+
+    def pack(size=64, ints=(1, 2), tensors=(x,), axes=(0,), offsets=(16,), base=0):
+        return ops._pack_payload(size, cpu, list(ints), list(tensors), list(axes), list(offsets), base)
+
+    assert pack() is not None
+    assert pack(size=75) is not None and pack(size=16 + 48 - 1) is None  # one byte short
+    assert pack(offsets=(-16,)) is None
+    assert pack(offsets=(18,), size=128) is None  # misaligned for float32
+    assert pack(offsets=(2**62,), base=2**62) is None  # base + offset overflows
+    assert pack(base=-1) is None and pack(size=-1) is None
+    assert pack(ints=range(9)) is None  # 72 bytes of ints in 64
+    assert pack(axes=(2,)) is None and pack(axes=(-1,)) is None and pack(axes=(0, 0)) is None
+    assert pack(tensors=(x.as_subclass(_Sub),)) is None  # a subclass: Python's own path
+    assert pack(tensors=(x.to_sparse(),)) is None
+    with warnings.catch_warnings():  # (torch says its nested tensors are a prototype)
+        warnings.simplefilter("ignore")
+        nested = torch.nested.nested_tensor([x, x])
+    assert pack(tensors=(nested,)) is None
+    assert pack(tensors=(torch.tensor(1.0),), axes=(1,)) is None
+    assert pack(ints=(True,)) is None and pack(size=64.0) is None
+    assert pack(tensors=(), axes=(), offsets=()) is not None
+
+
+def test_a_torch_function_mode_sees_every_write():
+    """Under a __torch_function__ mode the extension declines, and Python's writes are seen."""
+    seen = []
+
+    class Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    got, _ = sort_outputs(torch.randn(4, 3), 0, 0, True)
+    place = got.layout.placement(got.layout.own_rows(True))
+    with Mode():
+        assert ops._pack_payload(128, torch.device("cpu"), [1], got.tensors, [0], place.offsets, 64) is None
+        out = _payload_bytes(128, CPU, [1], got, place, 64, True)
+    assert out.shape == (128,) and seen

@@ -1,11 +1,12 @@
-// dpfast._C._pack_payload: the bytes one rank sends in DistributedDataParallel's output exchange
-// (dpfast/distributed/outputs.py, gather_outputs=True), made in one call from Python.
+// dpfast._C._pack_payload, _int_rows and _blocks: DistributedDataParallel's output exchange
+// (dpfast/distributed/outputs.py, gather_outputs=True) in one call from Python each: the bytes one rank sends, the
+// headers every rank sent, and every tensor's part of the gathered bytes.
 //
-// Python writes them with a zeroed buffer, a tensor of the header's ints and, per output tensor, a slice, two views
-// and a copy: each a Python call that costs several microseconds inside a training step (benchmarks/RESULTS.md).
-// Here the same ops run through the dispatcher without Python between them. Every offset and size comes from
-// Python's layout, and is checked again before any copy: a buffer never grows past `size`, and nothing is written
-// outside it or misaligned for its dtype. Anything unusual is declined (NotImplemented) and Python writes it.
+// Python does each with a slice, views and a copy per tensor: each a Python call that costs several microseconds
+// inside a training step (benchmarks/RESULTS.md). Here the same ops run through the dispatcher without Python
+// between them. Every offset and size comes from Python's layout, and is checked again before anything is made: a
+// buffer never grows past `size`, and nothing is written or read outside it or misaligned for its dtype. Anything
+// unusual is declined (NotImplemented) and Python does it.
 #include "python_exchange.h"
 
 #include "overflow.h"
@@ -16,6 +17,7 @@
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <c10/util/safe_numerics.h>
 #include <torch/csrc/Device.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -107,9 +109,140 @@ PyObject* py_pack_payload(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
+// The gathered bytes: an exact, plain, contiguous (world, width) uint8 tensor.
+bool gathered_bytes(PyObject* obj, at::Tensor& out) {
+  if (!THPVariable_CheckExact(obj)) return false;
+  out = THPVariable_Unpack(obj);
+  return out.layout() == at::kStrided && !out.is_nested() && !out.unsafeGetTensorImpl()->has_symbolic_sizes_strides() &&
+         out.scalar_type() == at::kByte && out.dim() == 2 && out.is_contiguous();
+}
+
+// _int_rows(gathered, count) -> list[list[int]] | NotImplemented
+//   The first `count` int64 of every row of `gathered` (the ranks' headers), as Python lists: what
+//   gathered[:, :8 * count].view(torch.int64).tolist() gives, in one call (one device-to-host copy on CUDA).
+//   NotImplemented unless each row holds `count` of them, aligned (its width and start multiples of 8).
+PyObject* py_int_rows(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  at::Tensor gathered;
+  int64_t count;
+  if (nargs != 2 || at::impl::torch_function_mode_enabled() || !gathered_bytes(args[0], gathered) ||
+      !plain_int(args[1], count) || count < 0 || count > gathered.size(1) / 8 || gathered.size(1) % 8 != 0 ||
+      gathered.storage_offset() % 8 != 0) {
+    return not_implemented();
+  }
+  const int64_t world = gathered.size(0);
+  std::vector<int64_t> values(static_cast<size_t>(world * count));  // (world * count * 8 bytes lie in `gathered`)
+  if (!values.empty()) {
+    ReleaseGil nogil;
+    at::NoGradGuard no_grad;
+    at::Tensor host = at::from_blob(values.data(), {world, count}, at::TensorOptions().dtype(at::kLong));
+    host.copy_(gathered.narrow(1, 0, 8 * count).view(at::kLong));
+  }
+  const int64_t* data = values.data();
+  THPObjectPtr rows(PyList_New(world));
+  if (!rows) return nullptr;
+  for (int64_t r = 0; r < world; ++r) {
+    PyObject* row = int_list_object(std::vector<int64_t>(data + r * count, data + (r + 1) * count));
+    if (row == nullptr) return nullptr;
+    PyList_SET_ITEM(rows.get(), r, row);
+  }
+  return rows.release();
+  END_HANDLE_TH_ERRORS
+}
+
+// One tensor's part of every rank's payload: `shape` (of its dtype) at byte `pos` of each row.
+struct Block {
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+  int64_t pos = 0;
+  int64_t nbytes = 0;
+  bool rows = false;  // a "cat" tensor: every rank's rows one after the other (else stacked: (world, *shape))
+};
+
+bool read_block(PyObject* dtype, PyObject* shape, PyObject* offset, PyObject* rows, int64_t base, Block& b) {
+  PyObject* const* dims;
+  Py_ssize_t nd;
+  int64_t off;
+  if (!THPDtype_Check(dtype) || !items_of(shape, dims, nd) || !plain_int(offset, off) || off < 0 ||
+      !PyBool_Check(rows) || add_overflows(base, off, &b.pos)) {
+    return false;
+  }
+  b.dtype = reinterpret_cast<THPDtype*>(dtype)->scalar_type;
+  b.rows = rows == Py_True;
+  int64_t numel = 1;
+  for (Py_ssize_t k = 0; k < nd; ++k) {
+    int64_t d;
+    if (!plain_int(dims[k], d) || d < 0 || c10::mul_overflows(numel, d, &numel)) return false;
+    b.shape.push_back(d);
+  }
+  if (b.rows && nd == 0) return false;
+  const auto item = static_cast<int64_t>(c10::elementSize(b.dtype));
+  return !c10::mul_overflows(numel, item, &b.nbytes);
+}
+
+// _blocks(gathered, base, dtypes, shapes, offsets, rows) -> list[Tensor] | NotImplemented
+//   Every rank sent the same placement: tensor i's part is shapes[i] of dtypes[i] at byte base + offsets[i] of each
+//   row of `gathered`. rows[i] True ("cat"): every rank's rows one after the other, (world * shape[0], ...) (a
+//   view with one rank, else a copy); False: stacked, (world, *shape), a view. NotImplemented unless every part
+//   lies inside a row, aligned for its dtype (the row's width too), and no __torch_function__ mode is on.
+PyObject* py_blocks(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  at::Tensor gathered;
+  int64_t base;
+  PyObject *const *dtypes, *const *shapes, *const *offsets, *const *rows;
+  Py_ssize_t n, n_shapes, n_offsets, n_rows;
+  if (nargs != 6 || at::impl::torch_function_mode_enabled() || !gathered_bytes(args[0], gathered) ||
+      !plain_int(args[1], base) || base < 0 || !items_of(args[2], dtypes, n) || !items_of(args[3], shapes, n_shapes) ||
+      !items_of(args[4], offsets, n_offsets) || !items_of(args[5], rows, n_rows) || n != n_shapes || n != n_offsets ||
+      n != n_rows) {
+    return not_implemented();
+  }
+  const int64_t world = gathered.size(0), width = gathered.size(1);
+  // Each item is read (exact types: no Python code runs) before anything allocates; a shape's tuple is borrowed
+  // from its list too, and read at once.
+  std::vector<Block> blocks(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    Block& b = blocks[static_cast<size_t>(i)];
+    if (!read_block(dtypes[i], shapes[i], offsets[i], rows[i], base, b)) return not_implemented();
+    const auto item = static_cast<int64_t>(c10::elementSize(b.dtype));
+    int64_t merged;
+    if (b.nbytes > width || b.pos > width - b.nbytes || b.pos % item != 0 || width % item != 0 ||
+        gathered.storage_offset() % item != 0 || (b.rows && c10::mul_overflows(world, b.shape[0], &merged))) {
+      return not_implemented();
+    }
+  }
+  std::vector<at::Tensor> outs(blocks.size());
+  {
+    ReleaseGil nogil;
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      const Block& b = blocks[i];
+      std::vector<int64_t> stacked{world};
+      stacked.insert(stacked.end(), b.shape.begin(), b.shape.end());
+      at::Tensor part = gathered.narrow(1, b.pos, b.nbytes).view(b.dtype).view(stacked);
+      if (b.rows) {
+        std::vector<int64_t> merged(b.shape);
+        merged[0] *= world;  // (checked above)
+        part = part.reshape(merged);
+      }
+      outs[i] = std::move(part);
+    }
+  }
+  THPObjectPtr list(PyList_New(n));
+  if (!list) return nullptr;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* t = THPVariable_Wrap(std::move(outs[static_cast<size_t>(i)]));
+    if (t == nullptr) return nullptr;
+    PyList_SET_ITEM(list.get(), i, t);
+  }
+  return list.release();
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef methods[] = {
     {"_pack_payload", DPFAST_FASTCALL(py_pack_payload),
      "the bytes of one rank's output exchange (dpfast/distributed/outputs.py); NotImplemented to decline"},
+    {"_int_rows", DPFAST_FASTCALL(py_int_rows), "the headers of every rank's gathered bytes, as lists of ints"},
+    {"_blocks", DPFAST_FASTCALL(py_blocks), "every output tensor's part of the gathered bytes, one block each"},
     {nullptr, nullptr, 0, nullptr},
 };
 

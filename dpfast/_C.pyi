@@ -57,6 +57,20 @@ def _pack_payload(
     base: int,
 ) -> Any: ...
 
+# the first count int64 of every row of the (world, width) uint8 tensor gathered, as lists; or NotImplemented
+def _int_rows(gathered: Tensor, count: int) -> Any: ...
+
+# every tensor's part of each row of gathered (shapes[i] of dtypes[i] at base + offsets[i]): rows[i] True, every
+# row's one after the other, else stacked (world, *shape); or NotImplemented
+def _blocks(
+    gathered: Tensor,
+    base: int,
+    dtypes: Sequence[torch.dtype],
+    shapes: Sequence[tuple],
+    offsets: Sequence[int],
+    rows: Sequence[bool],
+) -> Any: ...
+
 # A module tree's dicts checked and restored by identity (csrc/python_dicts.cpp; dpfast/run/shallow_snapshots.py
 # does the same in Python for whatever these decline).
 # whether every dicts[i] holds exactly keys[i] bound to values[i], in order, by identity; or NotImplemented

@@ -83,7 +83,7 @@ def fresh(values: list[int]) -> list[int]:
 def draw_call(r: random.Random) -> tuple[str, Callable, list[Any]]:
     """(name, function, arguments): arguments valid as plain lists of ints and tensors."""
     choices = ["exact_prefix", "balanced_bounds", "split", "scatter", "gather", "gather_many", "plain_batch"]
-    choices += ["narrow_many", "tensor_facts", "same_dicts", "restore_dicts", "pack_payload"]
+    choices += ["narrow_many", "tensor_facts", "same_dicts", "restore_dicts", "pack_payload", "int_rows", "blocks"]
     if HOOKS is not None:
         choices += ["job_offsets", "replay", "side_streams", "node_streams"]
     name = r.choice(choices)
@@ -140,6 +140,21 @@ def draw_call(r: random.Random) -> tuple[str, Callable, list[Any]]:
             C._pack_payload,
             [at + r.randrange(3) * 16, torch.device("cpu"), fresh([300, 301]), leaves, axes, fresh(offsets), 0],
         )
+    if name in ("int_rows", "blocks"):  # the gathered bytes of up to 3 ranks, every leaf placed alike
+        world, width = r.randrange(1, 4), 16 * r.randrange(1, 64)
+        gathered = torch.randint(0, 256, (world, width), dtype=torch.uint8)
+        if name == "int_rows":
+            return name, C._int_rows, [gathered, r.randrange(width // 8 + 1)]
+        shapes = [(r.randrange(4), r.randrange(1, 3)) for _ in range(r.randrange(1, 6))]
+        shapes = [s if 4 * s[0] * s[1] <= width else (0, 1) for s in shapes]
+        offsets = fresh([16 * r.randrange((width - 4 * s[0] * s[1]) // 16 + 1) for s in shapes])
+        args = [
+            [torch.float32] * len(shapes),
+            [fresh(list(s)) for s in shapes],
+            offsets,
+            [r.random() < 0.5 for _ in shapes],
+        ]
+        return name, C._blocks, [gathered, 0, *args]
     if name == "job_offsets":
         sizes = [r.randrange(300, 2**20) for _ in range(r.randrange(1, 7))]
         strides = fresh([r.randrange(-(2**20), 2**20) for _ in sizes])
@@ -284,7 +299,7 @@ def same(a: Any, b: Any) -> bool:
 
 # dpfast.ops' entry points: anything unusual goes through torch.ops (or Python's own path) when they decline
 FAST_PATH = ("split", "scatter", "gather", "gather_many", "narrow_many", "tensor_facts", "same_dicts", "restore_dicts")
-FAST_PATH += ("pack_payload",)
+FAST_PATH += ("pack_payload", "int_rows", "blocks")
 
 
 def judge(name: str, action: str, benign: tuple, got: tuple) -> str:

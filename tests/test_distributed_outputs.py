@@ -1,9 +1,10 @@
-"""dpfast.distributed.outputs: the bytes one rank sends in the output exchange of ``gather_outputs=True``.
+"""dpfast.distributed.outputs and exchange_calls: the bytes of the output exchange of ``gather_outputs=True``.
 
-The extension writes them in one call (``ops._pack_payload``); it must give exactly Python's bytes (``_write``) for
-every layout, and decline (None, nothing written) whatever it cannot place: a tensor that is not a plain dense one,
-or one whose bytes would fall outside the buffer or misaligned for its dtype. The exchange itself, on 2 and 3
-ranks, is in test_distributed.py and test_distributed_per_rank.py."""
+The extension writes one rank's bytes, reads every rank's header and cuts every tensor's part of the gathered bytes
+in one call each; each must give exactly what Python's own path gives (``_write``, ``tolist``, ``_decode``'s
+slices) for every layout, and decline (None, nothing made) whatever it cannot place: a tensor that is not a plain
+dense one, or bytes outside the buffer or misaligned for their dtype. The exchange itself, on 2 and 3 ranks, is in
+test_distributed.py and test_distributed_per_rank.py."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpfast import ops
+from dpfast.distributed import exchange_calls
+from dpfast.distributed.exchange_calls import pack_payload
 from dpfast.distributed.exchanges import RankGroup
 from dpfast.distributed.output_layout import sort_outputs
-from dpfast.distributed.outputs import _payload_bytes, _write
+from dpfast.distributed.outputs import _decode, _payload_bytes, _write
 from dpfast.ext.loader import LOADED
 
 pytestmark = pytest.mark.skipif(not LOADED, reason="the one-call payload is the compiled extension's")
@@ -62,7 +64,7 @@ def test_the_extensions_bytes_are_pythons(specs, extra_ints, in_first_buffer):
     base = 64 if in_first_buffer else 0
     ints = list(range(-3, 5 + extra_ints)) if in_first_buffer else list(rows)
     size = base + place.size + 16 * extra_ints
-    fast = ops._pack_payload(size, CPU.comm_device, ints, got.tensors, layout.move_axes, place.offsets, base)
+    fast = pack_payload(size, CPU.comm_device, ints, got.tensors, layout.move_axes, place.offsets, base)
     assert fast is not None and fast.dtype == torch.uint8 and fast.shape == (size,) and not fast.requires_grad
     want = torch.zeros(size, dtype=torch.uint8)
     _write(want, ints, got, place, base)
@@ -89,7 +91,7 @@ def test_what_the_extension_cannot_place_is_declined():
     x, cpu = torch.randn(4, 3), torch.device("cpu")
 
     def pack(size=64, ints=(1, 2), tensors=(x,), axes=(0,), offsets=(16,), base=0):
-        return ops._pack_payload(size, cpu, list(ints), list(tensors), list(axes), list(offsets), base)
+        return pack_payload(size, cpu, list(ints), list(tensors), list(axes), list(offsets), base)
 
     assert pack() is not None
     assert pack(size=75) is not None and pack(size=16 + 48 - 1) is None  # one byte short
@@ -122,6 +124,62 @@ def test_a_torch_function_mode_sees_every_write():
     got, _ = sort_outputs(torch.randn(4, 3), 0, 0, True)
     place = got.layout.placement(got.layout.own_rows(True))
     with Mode():
-        assert ops._pack_payload(128, torch.device("cpu"), [1], got.tensors, [0], place.offsets, 64) is None
+        assert pack_payload(128, torch.device("cpu"), [1], got.tensors, [0], place.offsets, 64) is None
         out = _payload_bytes(128, CPU, [1], got, place, 64, True)
     assert out.shape == (128,) and seen
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(leaves, min_size=1, max_size=4), st.integers(1, 3), st.booleans())
+def test_every_ranks_parts_are_pythons_slices(specs, world, in_first_buffer):
+    """Bytes of ``world`` ranks placed alike: the extension's headers are tolist's, and its parts of every tensor
+    equal Python's slices of each rank's bytes, concatenated ("cat") or one per rank ("red")."""
+    outs, dims = [], []
+    for shape, dtype, _, _, spec in specs:
+        t = _tensor(shape, dtype, False, False)
+        spec = spec if isinstance(spec, int) and t.dim() and -t.dim() <= spec < t.dim() else "sum"
+        outs.append(t)
+        dims.append(0 if spec == "sum" and dtype == torch.bool else spec)
+    got, _ = sort_outputs(tuple(outs), tuple(dims), 0, True)
+    layout = got.layout
+    rows = layout.own_rows(True)
+    place = layout.placement(rows)
+    base = 64 if in_first_buffer else 0
+    size, header = base + max(place.size, 16), base // 8  # (a header of base // 8 ints, then the rows)
+    sent = [_payload_bytes(size, CPU, [r] * header + list(rows), got, place, base, True) for r in range(world)]
+    gathered = torch.stack(sent)
+    count = header + len(rows)
+    assert exchange_calls.int_rows(gathered, count) == gathered[:, : 8 * count].view(torch.int64).tolist()
+    fast = exchange_calls.blocks(gathered, base, layout.dtypes, place.shapes, place.offsets, layout.is_cat)
+    assert fast is not None
+    for i, (t, cat) in enumerate(zip(got.tensors, layout.is_cat)):
+        mine = gathered[:, base + place.offsets[i] : base + place.offsets[i] + place.nbytes[i]]
+        each = [m.view(t.dtype).view(place.shapes[i]) for m in mine]
+        want = torch.cat(each) if cat else torch.stack(each)
+        assert fast[i].dtype == t.dtype and fast[i].shape == want.shape and torch.equal(fast[i], want)
+    python = _decode(layout, gathered.clone(), base, [rows] * world)  # (the Python path: not the same object)
+    assert all(len(p) == (1 if cat else world) for p, cat in zip(python, layout.is_cat))
+
+
+def test_what_the_extension_cannot_read_is_declined():
+    g = torch.zeros(2, 64, dtype=torch.uint8)
+    f32, cpu_rows = torch.float32, exchange_calls.int_rows
+    assert cpu_rows(g, 8) == [[0] * 8] * 2 and cpu_rows(g, 0) == [[], []]
+    assert cpu_rows(g, 9) is None and cpu_rows(g, -1) is None
+    assert cpu_rows(g[:, 1:], 1) is None and cpu_rows(g.t(), 1) is None and cpu_rows(g.view(-1), 1) is None
+    shifted = g.view(-1)[4:68].view(2, 32)  # rows that start 4 bytes into the storage
+    assert cpu_rows(g.float(), 1) is None and cpu_rows(shifted, 1) is None
+
+    def cut(gathered=g, base=0, dtypes=(f32,), shapes=((4, 2),), offsets=(16,), rows=(True,)):
+        return exchange_calls.blocks(gathered, base, list(dtypes), list(shapes), list(offsets), list(rows))
+
+    assert cut()[0].shape == (8, 2) and cut(rows=(False,))[0].shape == (2, 4, 2)
+    assert cut(offsets=(33,)) is None and cut(offsets=(-16,)) is None  # outside a row, misaligned
+    assert cut(shapes=((4, 3),)) is not None and cut(shapes=((4, 4),)) is None  # 48 bytes fit after 16, 64 do not
+    assert cut(base=16) is not None and cut(base=32) is None and cut(base=2**63 - 8) is None
+    assert cut(shapes=((2**62, 0),)) is None  # no bytes, but 2 * 2**62 rows overflow
+    assert cut(shapes=((),)) is None and cut(shapes=((-1, 2),)) is None and cut(shapes=([4, 2],)) is not None
+    narrow = torch.zeros(2, 40, dtype=torch.uint8)  # the part is aligned, a row's width (40) is not a multiple of 16
+    assert cut(gathered=narrow, dtypes=(torch.complex128,), shapes=((1,),), offsets=(0,)) is None
+    assert cut(gathered=shifted, shapes=((1,),), dtypes=(torch.float64,), offsets=(0,)) is None
+    assert cut(dtypes=("float32",)) is None and cut(rows=(1,)) is None and cut(offsets=()) is None

@@ -277,6 +277,19 @@ ENTRY_POINT_CASES = {
         assert C._pack_payload(2**63 - 1, cpu, [7, 8], xs, [0, 1, 0], [2**63 - 8] * 3, 0) is NotImplemented
         assert C._pack_payload(7264, cpu, [0] * 909, xs, [0, 1, 0], offsets, 0) is NotImplemented
         assert C._pack_payload(2**64, cpu, [7, 8], xs, [0, 1, 0], offsets, 0) is NotImplemented
+        # the gathered bytes of two ranks: every header, and each tensor's parts (only inside the rows)
+        g = torch.stack([buf, buf])
+        assert C._int_rows(g, 2) == [[7, 8], [7, 8]] and C._int_rows(g, 909) is NotImplemented
+        parts = C._blocks(g, 0, [torch.float32] * 3, [(300, 2), (300, 2), (300, 2)], offsets, [True, True, True])
+        assert torch.equal(parts[0], torch.cat([xs[0], xs[0]]))
+        f32 = [torch.float32]
+        assert C._blocks(g, 0, f32, [hostile([300, 2])], [64], [True]) is NotImplemented
+        assert C._blocks(g, 0, f32, [(300, 2)], hostile([64]), [True]) is NotImplemented
+        assert C._blocks(g, 0, f32, [(300, 2)], [7264 - 2396], [True]) is NotImplemented
+        assert C._blocks(g, 2**63 - 8, f32, [(300, 2)], [64], [True]) is NotImplemented
+        assert C._blocks(g, 0, f32, [(2**62, 2**62)], [64], [True]) is NotImplemented
+        assert C._blocks(g, 0, [NotATensor()], [(300, 2)], [64], [True]) is NotImplemented
+        assert C._blocks(NotATensor(), 0, f32, [(300, 2)], [64], [True]) is NotImplemented
     """,
     "pack_payload_list_emptied_by_a_collection": """
         import functools

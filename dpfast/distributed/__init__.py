@@ -7,7 +7,7 @@ Modules: ``settings`` (the wrapper's settings, agreed at construction), ``agreem
 the error every rank raises), ``checks`` and ``bucket_check`` (when they compare it: inside collectives the step
 runs anyway), ``sharding`` (a rank's share), ``kept_call`` (a call like the last one, cut without planning it
 again), ``sampler``, ``keeping_step`` (ranks without rows, ranks that cannot run their part), ``exchanges``,
-``output_layout`` and ``outputs`` (``gather_outputs``), ``module`` (the DDP subclass).
+``output_layout``, ``exchange_calls`` and ``outputs`` (``gather_outputs``), ``module`` (the DDP subclass).
 """
 
 from __future__ import annotations

@@ -65,6 +65,7 @@ class OutputLayout:
     n_cat: int = 0
     tensor_leaves: list[int] = dataclasses.field(default_factory=list)  # per tensor: its leaf's position
     move_axes: list[int] = dataclasses.field(default_factory=list)  # per tensor: the axis its rows go along, or 0
+    is_cat: list[bool] = dataclasses.field(default_factory=list)  # per tensor: whether it is a "cat" one
     _placements: dict = dataclasses.field(default_factory=dict)
     _grad_groups: list[list[int]] | None = None
 
@@ -196,6 +197,7 @@ def _add(layout: OutputLayout, tensors: list, t: Tensor, num: Any, kind: str, re
     layout.reductions.append(reduction)
     layout.axes.append(axis)
     layout.move_axes.append(axis if kind == "cat" and t.dim() else 0)
+    layout.is_cat.append(kind == "cat")
     layout.shapes.append(tuple(t.shape))
     layout.dtypes.append(t.dtype)
     layout.devices.append(t.device)

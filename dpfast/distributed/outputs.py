@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import ops
 from ..trees.containers import LEAF
 from ..trees.flatten import unflatten
 from ..trees.specs import Spec
+from . import exchange_calls
 from .agreement import NAME, DistributedBatchError, error_line, fingerprint
 from .exchanges import Exchange, GatheredOutputs, RankGroup
 from .output_layout import KeptLayouts, OutputLayout, Placement, SortedOutputs, aligned
@@ -60,7 +60,7 @@ def _payload_bytes(
     into the extension where it can (``whole``: every tensor is sent whole, this rank's outputs count)."""
     if got is None or whole:
         tensors, layout = (got.tensors, got.layout) if got is not None else ((), None)
-        buf = ops._pack_payload(
+        buf = exchange_calls.pack_payload(
             size,
             group.comm_device,
             ints,
@@ -74,6 +74,12 @@ def _payload_bytes(
     buf = torch.zeros(size, dtype=torch.uint8, device=group.comm_device)
     _write(buf, ints, got, place, base)
     return buf
+
+
+def _ints(gathered: Tensor, count: int) -> list[list[int]]:
+    """The first ``count`` int64 of every rank's gathered bytes."""
+    got = exchange_calls.int_rows(gathered, count)
+    return got if got is not None else gathered[:, : 8 * count].view(torch.int64).tolist()
 
 
 def _gathered(group: RankGroup, send: Tensor) -> Tensor:
@@ -105,7 +111,7 @@ def _exchange_bytes(
     send = _payload_bytes(_HEADER_BYTES + capacity, group, ints, got if fits else None, place, _HEADER_BYTES, whole)
     gathered = _gathered(group, send)
     width = HEADER_FIELDS + (n_cat if 8 * n_cat <= capacity else 0)  # the rows follow the header, if they fit
-    ints = gathered[:, : 8 * width].view(torch.int64).tolist()
+    ints = _ints(gathered, width)
     headers = [row[:HEADER_FIELDS] for row in ints]
     widest = max(h[5] for h in headers)
     if widest <= capacity:
@@ -121,7 +127,7 @@ def _second_round(
     send = _payload_bytes(max(sizes), group, list(rows), got, place, 0, whole)
     gathered = _gathered(group, send)
     n_cat = got.layout.n_cat
-    rows_all = gathered[:, : 8 * n_cat].view(torch.int64).tolist() if n_cat else [[]] * group.world
+    rows_all = _ints(gathered, n_cat) if n_cat else [[]] * group.world
     return gathered, [tuple(r) for r in rows_all]
 
 
@@ -131,7 +137,11 @@ def _decode(layout: OutputLayout, gathered: Tensor, base: int, rows: list[tuple]
     tensor's contribution of every rank."""
     world = len(rows)
     if all(r == rows[0] for r in rows):  # one placement for every rank: each tensor is one block of the bytes
-        place, parts = layout.placement(rows[0]), []
+        place = layout.placement(rows[0])
+        got = exchange_calls.blocks(gathered, base, layout.dtypes, place.shapes, place.offsets, layout.is_cat)
+        if got is not None:
+            return [[b] if cat else list(b.unbind(0)) for b, cat in zip(got, layout.is_cat)]
+        parts = []
         for kind, dtype, off, n, shape in zip(layout.kinds, layout.dtypes, place.offsets, place.nbytes, place.shapes):
             block = gathered[:, base + off : base + off + n].view(dtype).view((world, *shape))
             if kind == "red":

@@ -17,10 +17,10 @@ rounds inside the ranks (a barrier before each variant), ratios per round, media
 * ``dpfast gather`` / ``dpfast per-rank gather``: ``gather_outputs=True``, the loss on the gathered outputs.
 
 Target: ``dpfast`` <= 1.10x ``torch``, and the gather variants <= 1.10x ``torch+gather``. On this 2-core machine
-two ranks' step is mostly their loopback round trip, so the step variants are also timed on **one rank** (a group of
-one: the same reducer and hooks, no peer), where what the wrapper costs is not hidden in a peer's latency. The
-collectives each step issues are counted too (as ``tests/test_distributed_checks.py`` does, on separate wrappers whose
-DDP reducer runs through torch's Python default comm hook, so that the counter sees it).
+two ranks' step is mostly their loopback round trip, so every step variant is also timed on **one rank** (a group
+of one: the same reducer, hooks and exchanges, no peer), where what the wrapper costs is not hidden in a peer's
+latency. The collectives each step issues are counted too (as ``tests/test_distributed_checks.py`` does, on
+separate wrappers whose DDP reducer runs through torch's Python default comm hook, so that the counter sees it).
 
 **Many tensors.** One forward (under ``no_grad``) of a list of ``TINY`` = 10,000 tensors ``(8, 2)`` through a module
 that scales each by one weight: ``dpfast many`` is given the global list (each rank keeps its 4 rows of every
@@ -242,6 +242,7 @@ def _counted(variants: dict, steps: int = 5) -> dict:
 
 
 ONE_RANK = ("torch", "torch (again)", "dpfast", "dpfast unchecked", "dpfast (Python hook)", "dpfast per-rank")
+ONE_RANK += ("torch+gather", "dpfast gather", "dpfast per-rank gather")  # every variant of RATIOS
 
 
 def _worker(rank: int, world: int, port: int, outdir: str, budget_s: float, rounds: int, tiny: int) -> None:
@@ -281,13 +282,11 @@ def _spawned(world: int, budget_s: float, rounds: int, tiny: int) -> dict:
 
 
 def run_one_rank(budget_s: float, rounds: int) -> dict:
-    """Seconds per step and ratios to ``torch`` of the step variants on one rank (spawns it)."""
+    """Seconds per step of the step variants on one rank (spawns it), and the ratios of RATIOS."""
     samples = _spawned(1, budget_s, rounds, 0)["samples"]
     return {
         "seconds": {k: statistics.median(v) for k, v in samples.items()},
-        "ratios": {
-            f"{k}/torch": statistics.median(p / q for p, q in zip(samples[k], samples["torch"])) for k in ONE_RANK[1:]
-        },
+        "ratios": {f"{a}/{b}": statistics.median(p / q for p, q in zip(samples[a], samples[b])) for a, b in RATIOS},
     }
 
 
@@ -342,10 +341,11 @@ def print_ddp(result: dict) -> None:
         )
         print(f"{key:<40} {value:>6.3f}   {verdict}")
     one = s["one rank"]
-    print("\nThe same step on one rank (a group of one: no peer latency), ms / step and ratio to torch")
+    print("\nThe same step on one rank (a group of one: no peer latency), ms / step and ratio to its counterpart")
     for name, sec in one["seconds"].items():
-        ratio = one["ratios"].get(f"{name}/torch")
-        print(f"{name:<24} {1e3 * sec:>10.3f}  {'' if ratio is None else f'{ratio:.3f}'}")
+        key = next((k for k in one["ratios"] if k.startswith(f"{name}/")), None)
+        ratio = "" if key is None else f"{one['ratios'][key]:.3f} ({key})"
+        print(f"{name:<24} {1e3 * sec:>10.3f}  {ratio}")
     m = s["many tensors"]
     sec = m["seconds"]
     print(f"\n{m['tensors']} tensors (8, 2), one forward under no_grad, ms (µs a tensor)")

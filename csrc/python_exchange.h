@@ -1,4 +1,4 @@
-// dpfast._C._pack_payload: one rank's bytes of DistributedDataParallel's output exchange, in one call.
+// dpfast._C._pack_payload, _int_rows and _blocks: DistributedDataParallel's output exchange, in one call each.
 #pragma once
 
 #include <Python.h>

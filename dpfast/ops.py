@@ -195,7 +195,6 @@ if LOADED:
     _fast_plain_batch = getattr(_C, "_plain_batch", None)
     _fast_narrow_many = getattr(_C, "_narrow_many", None)
     _fast_tensor_facts = getattr(_C, "_tensor_facts", None)
-    _fast_pack_payload = getattr(_C, "_pack_payload", None)
 
     def _gather_many(
         columns: Sequence[Sequence[Tensor]], dims: Sequence[int], device: torch.device, sizes: Sequence[int]
@@ -240,24 +239,6 @@ if LOADED:
         if _fast_tensor_facts is None or _compiling():
             return None
         out = _fast_tensor_facts(tensors)
-        return None if out is NotImplemented else out
-
-    def _pack_payload(
-        size: int,
-        device: torch.device,
-        ints: Sequence[int],
-        tensors: Sequence[Tensor],
-        axes: Sequence[int],
-        offsets: Sequence[int],
-        base: int,
-    ) -> Tensor | None:
-        """``size`` zeroed bytes on ``device`` holding ``ints`` (int64) from byte 0 and each tensor's bytes at
-        ``base + offsets[i]``, its axis ``axes[i]`` moved to the front (a 0-dim one as one row): one rank's bytes of
-        DistributedDataParallel's output exchange. None when the caller must write them itself (a tensor that is
-        not a plain dense one or does not fit where it goes, a ``__torch_function__`` mode, ``torch.compile``)."""
-        if _fast_pack_payload is None or _compiling():
-            return None
-        out = _fast_pack_payload(size, device, ints, tensors, axes, offsets, base)
         return None if out is NotImplemented else out
 
     # ---- fake kernels: shapes, dtypes and devices only, for torch.compile / FakeTensor tracing and meta tensors.
@@ -325,17 +306,6 @@ else:
 
     def _tensor_facts(tensors: Sequence[Tensor]) -> tuple | None:
         return None  # without the extension the facts are read in Python
-
-    def _pack_payload(
-        size: int,
-        device: torch.device,
-        ints: Sequence[int],
-        tensors: Sequence[Tensor],
-        axes: Sequence[int],
-        offsets: Sequence[int],
-        base: int,
-    ) -> Tensor | None:
-        return None  # without the extension the exchange writes its bytes in Python
 
 
 def state_to_batch_first(state: RNNState) -> RNNState:

@@ -145,16 +145,15 @@ def draw_call(r: random.Random) -> tuple[str, Callable, list[Any]]:
         gathered = torch.randint(0, 256, (world, width), dtype=torch.uint8)
         if name == "int_rows":
             return name, C._int_rows, [gathered, r.randrange(width // 8 + 1)]
-        shapes = [(r.randrange(4), r.randrange(1, 3)) for _ in range(r.randrange(1, 6))]
-        shapes = [s if 4 * s[0] * s[1] <= width else (0, 1) for s in shapes]
-        offsets = fresh([16 * r.randrange((width - 4 * s[0] * s[1]) // 16 + 1) for s in shapes])
-        args = [
-            [torch.float32] * len(shapes),
-            [fresh(list(s)) for s in shapes],
-            offsets,
-            [r.random() < 0.5 for _ in shapes],
-        ]
-        return name, C._blocks, [gathered, 0, *args]
+        dtypes = [r.choice([torch.float32, torch.float64, torch.int8, torch.bool]) for _ in range(r.randrange(1, 6))]
+        base = 16 * r.randrange(3) if width > 32 else 0
+        shapes = [(r.randrange(4), r.randrange(1, 3)) for _ in dtypes]
+        sizes = [d.itemsize * s[0] * s[1] for d, s in zip(dtypes, shapes)]
+        shapes = [s if n <= width - base else (0, 1) for s, n in zip(shapes, sizes)]
+        sizes = [d.itemsize * s[0] * s[1] for d, s in zip(dtypes, shapes)]
+        offsets = fresh([16 * r.randrange((width - base - n) // 16 + 1) for n in sizes])
+        args = [dtypes, [fresh(list(s)) for s in shapes], offsets, [r.random() < 0.5 for _ in shapes]]
+        return name, C._blocks, [gathered, base, *args]
     if name == "job_offsets":
         sizes = [r.randrange(300, 2**20) for _ in range(r.randrange(1, 7))]
         strides = fresh([r.randrange(-(2**20), 2**20) for _ in sizes])

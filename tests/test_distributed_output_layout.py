@@ -1,6 +1,6 @@
 """dpfast.distributed.output_layout: the layout ``gather_outputs=True`` sends one call's outputs by, kept for the
 next call's outputs while they read the same. A kept layout is never served for outputs the full walk would sort
-otherwise: for every call, what :class:`KeptLayouts` gives is what :func:`sort_outputs` gives, and any change
+otherwise: for every call, what :class:`KeptExchange` gives is what :func:`sort_outputs` gives, and any change
 (structure, keys, a leaf's kind, a tensor's size, dtype, requires_grad or device, a tensor subclass, a number under
 "sum"/"mean") is walked in full. No process group is needed: sorting is this rank's own work."""
 
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpfast.distributed.output_layout import KeptLayouts, Placement, sort_outputs
+from dpfast.distributed.output_layout import KeptExchange, Placement, sort_outputs
 from dpfast.ext.loader import LOADED
 from dpfast.trees.flatten import unflatten
 
@@ -50,7 +50,8 @@ def _same(got, want):
     """Two sorts of the same outputs: the same layout in every field, the very same tensors and leaf values, and a
     tree that rebuilds the same structure."""
     a, b = got.layout, want.layout
-    for field in ("slots", "kinds", "reductions", "axes", "shapes", "dtypes", "devices", "desc", "fp", "n_cat"):
+    fields = ("slots", "kinds", "reductions", "axes", "shapes", "dtypes", "devices", "desc", "fp", "n_cat")
+    for field in fields + ("tensor_leaves", "move_axes", "is_cat"):
         assert getattr(a, field) == getattr(b, field), field
     assert all(x is y for x, y in zip(got.tensors, want.tensors)) and len(got.tensors) == len(want.tensors)
     assert all(x is y for x, y in zip(got.values, want.values)) and len(got.values) == len(want.values)
@@ -62,7 +63,7 @@ def _same(got, want):
 def test_a_kept_layout_sorts_as_the_full_walk(sequence):
     """Over a sequence of outputs (each three times in a row), every sort equals the full walk's, and a repeated
     one is sorted by the kept layout (the very object)."""
-    kept, reused = KeptLayouts(), 0
+    kept, reused = KeptExchange(), 0
     for params in sequence:
         for repeat in range(3):
             out = _outputs(*params)
@@ -89,7 +90,7 @@ CHANGES = {
 
 @pytest.mark.parametrize("change", list(CHANGES))
 def test_each_change_is_walked_in_full(change):
-    kept = KeptLayouts()
+    kept = KeptExchange()
     out = _outputs(*BASE)
     kept.sort(out, _spec(out), 0, True)
     layout = kept.layout
@@ -101,7 +102,7 @@ def test_each_change_is_walked_in_full(change):
 
 
 def test_another_device_another_key_or_a_subclass_is_walked_in_full():
-    kept = KeptLayouts()
+    kept = KeptExchange()
     y = torch.randn(4, 3)
     kept.sort({"y": y, "z": y}, 0, 0, False)
     layout = kept.layout
@@ -121,7 +122,7 @@ def test_another_device_another_key_or_a_subclass_is_walked_in_full():
 
 def test_numbers_under_a_reduction_are_never_kept():
     """A number's value changes from call to call: its layout (which makes a tensor of it) is made every call."""
-    kept = KeptLayouts()
+    kept = KeptExchange()
     for value in (1.5, 2.5):
         got = kept.sort((torch.randn(3, 2), value), (0, "mean"), 0, True)
         assert kept.layout is None
@@ -137,3 +138,13 @@ def test_a_placement_puts_each_tensor_after_the_rows_aligned():
     assert place == Placement([16, 80, 96], [60, 8, 40], [(5, 3), (), (5, 2)], 144)
     assert got.layout.placement((0, 0)).size == 32 and got.layout.own_rows(False) == (0, 0)
     assert got.layout.own_rows(True) == (5, 5)
+
+
+def test_an_out_dims_edited_in_place_is_walked_again():
+    """The kept layout is keyed on a copy of the spec it was sorted by: a spec changed in place is another spec."""
+    kept, spec = KeptExchange(), {"a": 0, "b": 0}
+    out = {"a": torch.randn(3, 2), "b": torch.randn(3, 2)}
+    assert kept.sort(out, spec, 0, True).layout.kinds == ["cat", "cat"]
+    spec["b"] = "sum"
+    assert kept.sort(out, spec, 0, True).layout.kinds == ["cat", "red"]
+    assert kept.sort(out, spec, 1, True).layout is not kept.sort(out, spec, 0, True).layout  # another default dim

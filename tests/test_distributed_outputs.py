@@ -8,6 +8,7 @@ test_distributed.py and test_distributed_per_rank.py."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -157,8 +158,49 @@ def test_every_ranks_parts_are_pythons_slices(specs, world, in_first_buffer):
         each = [m.view(t.dtype).view(place.shapes[i]) for m in mine]
         want = torch.cat(each) if cat else torch.stack(each)
         assert fast[i].dtype == t.dtype and fast[i].shape == want.shape and torch.equal(fast[i], want)
-    python = _decode(layout, gathered.clone(), base, [rows] * world)  # (the Python path: not the same object)
-    assert all(len(p) == (1 if cat else world) for p, cat in zip(python, layout.is_cat))
+    fast_parts = _decode(layout, gathered, base, [rows] * world)
+    with _without_blocks():
+        python_parts = _decode(layout, gathered, base, [rows] * world)
+    for fast_p, python_p in zip(fast_parts, python_parts):
+        assert len(fast_p) == len(python_p) and all(torch.equal(a, b) for a, b in zip(fast_p, python_p))
+
+
+@contextlib.contextmanager
+def _without_blocks():
+    """Python's own path of _decode (the extension's _blocks declines)."""
+    saved, exchange_calls._blocks = exchange_calls._blocks, None
+    try:
+        yield
+    finally:
+        exchange_calls._blocks = saved
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=2, max_size=3), st.sampled_from([torch.float32, torch.int64]))
+def test_ranks_of_other_row_counts_are_decoded_each_by_its_own_placement(rows_per_rank, dtype):
+    """Every rank sent its own rows of a "cat" tensor (any count, none too), of a "cat" tensor along its last axis,
+    and a "sum": each rank's part is read where its own placement put it, by either path of _decode."""
+    sent, rows, cat_a, cat_b, summed = [], [], [], [], []
+    for r, n in enumerate(rows_per_rank):
+        a, b, c = (torch.randn(n, 3) * 9).to(dtype), (torch.randn(2, n) * 9).to(dtype), torch.full((2,), r, dtype=dtype)
+        got, _ = sort_outputs((a, b, c), (0, -1, "sum"), 0, True)
+        mine = got.layout.own_rows(n > 0)
+        place = got.layout.placement(mine)
+        sent.append(_payload_bytes(place.size, CPU, list(mine), got, place, 0, n > 0))
+        rows.append(mine)
+        cat_a.append(a)
+        cat_b.append(b.t())
+        summed.append(c)
+    width = max(t.numel() for t in sent)
+    gathered = torch.stack([torch.cat([t, torch.zeros(width - t.numel(), dtype=torch.uint8)]) for t in sent])
+    assert exchange_calls.int_rows(gathered, 2) == [list(r) for r in rows]
+    layout = got.layout  # (any rank's: they agree on everything but their own rows)
+    with _without_blocks():
+        python = _decode(layout, gathered, 0, rows)
+    for decoded in (_decode(layout, gathered, 0, rows), python):
+        for parts, want in zip(decoded[:2], (torch.cat(cat_a), torch.cat(cat_b))):
+            assert torch.equal(torch.cat(parts) if parts else want[:0], want)
+        assert len(decoded[2]) == len(summed) and all(torch.equal(g, w) for g, w in zip(decoded[2], summed))
 
 
 def test_what_the_extension_cannot_read_is_declined():

@@ -269,9 +269,18 @@ class _Shapes(nn.Module):
 _SHAPES_OUT_DIMS = {"tensor": 0, "tuple": (0, 1), "dict": {"y": 0, "mean": "mean", "wide": 0}}
 
 
+def _weighted_loss(out):
+    """A loss on every tensor of the outputs (each element its own weight), after the first is doubled in place:
+    every gathered output's gradient is exercised, and a gathered output may be modified in place."""
+    tensors = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    tensors[0].mul_(2)
+    return sum((t * torch.arange(1.0, 1 + t.numel(), dtype=t.dtype).view(t.shape)).sum() for t in tensors)
+
+
 def _outputs_change():
-    """Outputs that change from step to step, and repeat: every gathered one equals the full batch's, whether the
-    layout is kept or walked again, the ranks' rows equal (one block per tensor) or not, or a rank has none."""
+    """Outputs that change from step to step, and repeat: every gathered one, every parameter's gradient and every
+    rank's input gradient equal the full batch's, whether the layout is kept or walked again, the ranks' rows equal
+    (one block per tensor) or not, or a rank has none."""
     rank, world = dist.get_rank(), dist.get_world_size()
     wrappers = {
         kind: dpfast.DistributedDataParallel(_Shapes().to(DT), inputs="per_rank", gather_outputs=True, out_dims=dims)
@@ -279,22 +288,36 @@ def _outputs_change():
     }
     steps = [("tensor", 3), ("tensor", 3), ("tensor", None), ("tensor", None), ("tuple", 2), ("tuple", 2)]
     steps += [("tuple", None), ("dict", 4), ("dict", 4), ("dict", None), ("dict", None), ("tensor", 3)]
+    steps += [("tuple", 0), ("tensor", 1)]  # a rank with one row and the others none (rank 0's, below)
     for kind, rows in steps:
         mine = rows if rows is not None else 1 + rank  # None: uneven shares (rank 0's one row)
         if rows is not None and kind == "dict" and rank == world - 1:
             mine = 0  # the dict's mean over a rank without rows: weighted by share
-        x = torch.randn(mine, 4, dtype=DT)
+        if rows in (0, 1):
+            mine = 1 if rank == 0 else 0
+        x = torch.randn(mine, 4, dtype=DT, requires_grad=True)
         ddp = wrappers[kind]
+        ddp.module.zero_grad(set_to_none=True)
         out = ddp(x, kind)
         everyone = [None] * world
-        dist.all_gather_object(everyone, x)
+        dist.all_gather_object(everyone, x.detach())
         with solo_context():
-            want = ddp.module(torch.cat(everyone), kind)
+            full = torch.cat(everyone).requires_grad_()
+            # (the gathered outputs are tensors of their own: y.t() of the reference must not double with y)
+            want = torch.utils._pytree.tree_map(lambda t: t if t is None else t.clone(), ddp.module(full, kind))
+            params = list(ddp.module.parameters())
+            want_grads = torch.autograd.grad(_weighted_loss(want), [full, *params])
         if kind == "dict":
             assert out["none"] is None
             out, want = {k: v for k, v in out.items() if k != "none"}, {k: v for k, v in want.items() if k != "none"}
-        assert_tree_close(out, want, f"{kind} outputs, rows {rows}")
-        (out if kind == "tensor" else out["y"] if kind == "dict" else out[0]).sum().backward()
+        _weighted_loss(out).backward()
+        what = f"{kind} outputs, rows {rows}"
+        assert_tree_close(out, want, what)  # (both doubled in place)
+        for p, g in zip(params, want_grads[1:]):
+            torch.testing.assert_close(p.grad, g, msg=lambda m, what=what: f"{what}: a parameter gradient: {m}")
+        start = sum(e.shape[0] for e in everyone[:rank])
+        own_rows = want_grads[0][start : start + mine]
+        torch.testing.assert_close(x.grad, own_rows, msg=lambda m, what=what: f"{what}: x.grad {m}")
 
 
 def _scenarios(world):

@@ -12,11 +12,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+if TYPE_CHECKING:  # (output_layout imports this module)
+    from .output_layout import OutputLayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,14 +133,15 @@ class GatheredOutputs:
     along axis 0, in rank order, of the ranks that sent some; a "red" tensor's contribution of every rank."""
 
     group: RankGroup
-    layout: Any
+    layout: OutputLayout
     rows: list[tuple[int, ...]]  # per rank: its rows of each "cat" tensor
     weights: list[float]  # per rank: its factor in a "mean" (its share)
     sum_weights: list[float]  # per rank: its factor in a "sum" (1 or 0)
     parts: list[list[Tensor]]
 
     def assemble(self) -> list[Tensor]:
-        """The full-batch outputs: "cat" tensors concatenated in rank order, "red" ones summed in rank order."""
+        """The full-batch outputs: "cat" tensors concatenated in rank order, "red" ones summed in rank order; each
+        a tensor of its own (no view of the gathered bytes), so that it may be modified in place."""
         lay, outs = self.layout, []
         for i, kind in enumerate(lay.kinds):
             parts, shape, device = self.parts[i], lay.shapes[i], lay.devices[i]
@@ -149,7 +153,9 @@ class GatheredOutputs:
                 else:
                     full = torch.empty((0, *row_shape(shape, lay.axes[i])), dtype=lay.dtypes[i])
                 full = full.to(device)
-                outs.append(full.movedim(0, lay.axes[i]) if shape and lay.axes[i] else full)  # 0-dim: stacked
+                if shape and lay.axes[i]:
+                    full = full.movedim(0, lay.axes[i]).contiguous()
+                outs.append(full.clone() if full._is_view() else full)  # (0-dim: stacked)
                 continue
             w = self.weights if lay.reductions[i] == "mean" else self.sum_weights
             total = None
@@ -159,7 +165,8 @@ class GatheredOutputs:
                     total = term if total is None else total + term
             if total is None:
                 total = torch.zeros(shape, dtype=lay.dtypes[i])
-            outs.append(total.to(device))
+            total = total.to(device)
+            outs.append(total.clone() if total._is_view() else total)
         return outs
 
     def backward(self, grads: Sequence[Tensor | None]) -> list[Tensor | None]:

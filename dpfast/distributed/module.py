@@ -54,7 +54,7 @@ from .ddp_overrides import KeepingStepOverrides, _ShareRefused
 from .exchanges import RankGroup, through_input_grads
 from .keeping_step import CollectiveLog, EmptyShare
 from .kept_call import KeptCalls
-from .output_layout import KeptLayouts
+from .output_layout import KeptExchange
 from .outputs import OutputsCall, gather_across_ranks
 from .settings import FIXED, agree_on_settings, check_settings, describe_settings
 from .sharding import Share, rank_call
@@ -70,8 +70,7 @@ class _CallState:
     empty: EmptyShare | None = None  # set for the forward of a rank that has no rows
     log: CollectiveLog | None = None  # the process-group collectives of the forward
     ghost_error: BaseException | None = None
-    capacity: int = 0  # bytes the output exchange's first all-gather carries (the same on every rank)
-    layouts: KeptLayouts = dataclasses.field(default_factory=KeptLayouts)  # the last outputs' layout
+    exchange: KeptExchange = dataclasses.field(default_factory=KeptExchange)  # gather_outputs' capacity and layout
 
 
 class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataParallel):
@@ -305,10 +304,9 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
             self._checks.verify,
             None if per_rank else (s.sizes if s is not None else ()),
             self._call.pending_rows if per_rank else None,
-            self._call.capacity,
-            self._call.layouts,
+            self._call.exchange,
         )
-        result, rows, self._call.capacity = gather_across_ranks(call, outputs, failed)
+        result, rows = gather_across_ranks(call, outputs, failed)
         if per_rank and rows is not None and min(rows) >= 0:
             self._call.pending_rows, self._call.share = None, _per_rank_share(self._rank, rows)
         return result

@@ -4,7 +4,7 @@
 :class:`OutputLayout` (what is fixed by the outputs' structure and their tensors' facts: each leaf's fate, each
 tensor's kind, axis, shape, dtype and device, the description every rank must agree on and its fingerprint) and
 this call's values. A training loop returns the same structure every step, so the wrapper keeps the last layout
-(:class:`KeptLayouts`): outputs of the very same skeleton (:class:`~dpfast.trees.flatten.Skeleton`) whose tensors
+(:class:`KeptExchange`): outputs of the very same skeleton (:class:`~dpfast.trees.flatten.Skeleton`) whose tensors
 read the same (sizes, dtype, ``requires_grad``, device; one call into the extension) are sorted by it without the
 walk, the checks or the fingerprint. Anything else (a number under ``"sum"``/``"mean"``, whose value changes; a
 container a skeleton cannot keep; a tensor that is not a plain one) is walked in full every call.
@@ -12,6 +12,7 @@ container a skeleton cannot keep; a tensor that is not a plain one) is walked in
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import numbers
@@ -209,31 +210,36 @@ def _facts(tensors: list[Tensor]) -> tuple | None:
     return None if facts is None else (facts, tuple(t.device for t in tensors))
 
 
-class KeptLayouts:
-    """One wrapper's last layout, and the key it was sorted under: outputs of the same skeleton and facts are
-    sorted by it again (:meth:`sort`); anything else is walked in full, and its layout kept for the next call."""
+class KeptExchange:
+    """What one wrapper's output exchange keeps from call to call: the bytes its first all-gather carries (the
+    ``capacity`` every rank computed from the last exchange's headers) and the last layout with the key it was
+    sorted under. Outputs of the same skeleton and facts, under an ``out_dims`` equal to the one they were sorted
+    by (a copy: a spec edited in place is another spec), are sorted by it again (:meth:`sort`); anything else is
+    walked in full, and its layout kept for the next call."""
 
-    __slots__ = ("skeleton", "facts", "layout")
+    __slots__ = ("capacity", "skeleton", "facts", "spec", "layout")
 
     def __init__(self) -> None:
+        self.capacity = 0
         self.skeleton: Any = None
         self.facts: tuple | None = None
+        self.spec: tuple | None = None  # (out_dims, dim, explicit) the layout was sorted under
         self.layout: OutputLayout | None = None
 
     def sort(self, out: Any, spec: Spec, dim: int, explicit: bool) -> SortedOutputs:
         """``out`` sorted for the exchange (by the kept layout when it reads the same, else walked in full)."""
-        got = self._read(out)
-        if got is not None:
-            return got
+        if self.layout is not None and self.spec == (spec, dim, explicit):
+            got = self._read(out)
+            if got is not None:
+                return got
         got, key = sort_outputs(out, spec, dim, explicit)
         self.skeleton, self.facts = key if key is not None else (None, None)
         self.layout = got.layout if key is not None else None
+        self.spec = (copy.deepcopy(spec), dim, explicit) if key is not None else None
         return got
 
     def _read(self, out: Any) -> SortedOutputs | None:
         skeleton, layout = self.skeleton, self.layout
-        if layout is None:
-            return None
         if type(skeleton) is Skeleton:
             values: list = []
             tdef = skeleton.read(out, values)

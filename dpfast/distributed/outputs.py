@@ -29,7 +29,7 @@ from ..trees.specs import Spec
 from . import exchange_calls
 from .agreement import NAME, DistributedBatchError, error_line, fingerprint
 from .exchanges import Exchange, GatheredOutputs, RankGroup
-from .output_layout import KeptLayouts, OutputLayout, Placement, SortedOutputs, aligned
+from .output_layout import KeptExchange, OutputLayout, Placement, SortedOutputs, aligned
 
 HEADER_FIELDS = 8  # step status, check fingerprint, forwards, gather status, layout fingerprint, bytes, rows, 0
 _HEADER_BYTES = 8 * HEADER_FIELDS
@@ -132,8 +132,8 @@ def _second_round(
 
 
 def _decode(layout: OutputLayout, gathered: Tensor, base: int, rows: list[tuple]) -> list[list[Tensor]]:
-    """Per tensor, every rank's part as views of the gathered bytes (payloads from column ``base``): a "cat"
-    tensor's parts of the ranks with rows, in rank order (one part when every rank sent as many rows), a "red"
+    """Per tensor, every rank's part of the gathered bytes (payloads from column ``base``): a "cat" tensor's parts
+    of the ranks with rows, in rank order (one part, every rank's rows, when every rank sent as many), a "red"
     tensor's contribution of every rank."""
     world = len(rows)
     if all(r == rows[0] for r in rows):  # one placement for every rank: each tensor is one block of the bytes
@@ -147,7 +147,7 @@ def _decode(layout: OutputLayout, gathered: Tensor, base: int, rows: list[tuple]
             if kind == "red":
                 parts.append(list(block.unbind(0)))
             else:
-                parts.append([block.reshape((world * shape[0], *shape[1:]))] if shape[0] else [])
+                parts.append([block.reshape((world * shape[0], *shape[1:]))])
         return parts
     places = [layout.placement(r) for r in rows]
     parts = [[] for _ in layout.kinds]
@@ -165,8 +165,8 @@ def _decode(layout: OutputLayout, gathered: Tensor, base: int, rows: list[tuple]
 @dataclasses.dataclass
 class OutputsCall:
     """What one gather needs besides the outputs: the check row and how to verify the ranks' rows, this rank's
-    share (global batch: every rank's rows; per-rank inputs: its own), the agreed capacity, and the wrapper's kept
-    output layout."""
+    share (global batch: every rank's rows; per-rank inputs: its own), and what the wrapper's exchange keeps from
+    call to call (the agreed capacity, the last layout)."""
 
     group: RankGroup
     out_dims: Spec
@@ -175,21 +175,21 @@ class OutputsCall:
     verify: Callable[[list[list[int]]], None]  # raises on every rank when the ranks' check rows disagree
     sizes: Sequence[int] | None  # rows per rank of the global batch (() when nothing was split); None: per rank
     local_rows: int | None  # per-rank inputs: this rank's rows (None when nothing is split)
-    capacity: int
-    layouts: KeptLayouts
+    kept: KeptExchange
 
 
-def gather_across_ranks(call: OutputsCall, out: Any, failed: bool) -> tuple[Any, list[int] | None, int]:
-    """Every rank's ``out`` combined as ``out_dims`` says (a collective: every rank calls it); returns it, every
-    rank's rows (per-rank inputs; else None) and the next capacity. ``failed``: this rank has no outputs (it could
-    not run its part; its check row says why), so it only takes part in the exchange."""
+def gather_across_ranks(call: OutputsCall, out: Any, failed: bool) -> tuple[Any, list[int] | None]:
+    """Every rank's ``out`` combined as ``out_dims`` says (a collective: every rank calls it); returns it and every
+    rank's rows (per-rank inputs; else None). ``failed``: this rank has no outputs (it could not run its part; its
+    check row says why), so it only takes part in the exchange. The next capacity is kept as soon as the headers
+    are read, so that a rank that raises afterwards still sends what the others expect at the next call."""
     g = call.group
     spec = call.dim if call.out_dims is None else call.out_dims
     error: BaseException | None = None
     got = None
     if not failed:
         try:
-            got = call.layouts.sort(out, spec, call.dim, call.out_dims is not None)
+            got = call.kept.sort(out, spec, call.dim, call.out_dims is not None)
         except (TypeError, ValueError) as exc:
             error = exc
     if got is None:
@@ -202,20 +202,21 @@ def gather_across_ranks(call: OutputsCall, out: Any, failed: bool) -> tuple[Any,
     place = layout.placement(rows)
     rows_field = -1 if call.local_rows is None else call.local_rows
     header = call.check_row + [1 if error is not None else 0, layout.fp, place.size, rows_field, 0]
-    ex = _exchange_bytes(g, header, got, rows, place, call.capacity, active)
+    ex = _exchange_bytes(g, header, got, rows, place, call.kept.capacity, active)
+    call.kept.capacity = ex.capacity
     headers = ex.headers
     call.verify([h[:3] for h in headers])  # a rank that could not plan or run its part: raised on every rank here
     if any(h[3] for h in headers) or len({h[4] for h in headers}) > 1:
         _raise_output_disagreement(g, layout, error, [r for r, h in enumerate(headers) if h[3]])
     per_rank = [h[6] for h in headers] if call.sizes is None else None
     if not got.tensors:
-        return out, per_rank, ex.capacity
+        return out, per_rank
     if ex.gathered is not None:
         gathered, base, all_rows = ex.gathered, _HEADER_BYTES, ex.rows
     else:
         (gathered, all_rows), base = _second_round(g, got, rows, place, [h[5] for h in headers], active), 0
     parts = _decode(layout, gathered, base, all_rows)
-    return _assemble(call, got, all_rows, parts, per_rank), per_rank, ex.capacity
+    return _assemble(call, got, all_rows, parts, per_rank), per_rank
 
 
 def _active(call: OutputsCall, rank: int) -> bool:

@@ -129,7 +129,7 @@ class GatheredOutputs:
     """One exchange of outputs as every rank knows it once the bytes are gathered: the outputs' layout (per tensor
     its kind, ``"cat"`` or ``"red"``, axis, this rank's local shape, dtype and device; see
     :class:`~dpfast.distributed.output_layout.OutputLayout`), every rank's rows of each "cat" tensor, every rank's
-    weight in a "red" one, and per tensor the ranks' parts (views of the gathered bytes): a "cat" tensor's rows
+    weight in a "red" one, and per tensor the ranks' parts of the gathered bytes: a "cat" tensor's rows
     along axis 0, in rank order, of the ranks that sent some; a "red" tensor's contribution of every rank."""
 
     group: RankGroup

@@ -15,6 +15,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/PythonTorchFunctionTLS.h>
+#include <c10/core/GradMode.h>
 #include <c10/util/safe_numerics.h>
 #include <torch/csrc/Device.h>
 #include <torch/csrc/Dtype.h>
@@ -92,7 +93,7 @@ PyObject* py_pack_payload(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   at::Tensor buf;
   {
     ReleaseGil nogil;
-    at::NoGradGuard no_grad;  // the bytes sent are no part of any graph (Exchange connects the outputs)
+    c10::AutoGradMode no_grad(false);  // the bytes sent are no part of any graph (Exchange connects the outputs)
     buf = at::zeros({size}, at::TensorOptions().dtype(at::kByte).device(device));
     if (!ints.empty()) {
       const auto count = static_cast<int64_t>(ints.size());
@@ -134,7 +135,7 @@ PyObject* py_int_rows(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   std::vector<int64_t> values(static_cast<size_t>(world * count));  // (world * count * 8 bytes lie in `gathered`)
   if (!values.empty()) {
     ReleaseGil nogil;
-    at::NoGradGuard no_grad;
+    c10::AutoGradMode no_grad(false);
     at::Tensor host = at::from_blob(values.data(), {world, count}, at::TensorOptions().dtype(at::kLong));
     host.copy_(gathered.narrow(1, 0, 8 * count).view(at::kLong));
   }

@@ -6,6 +6,7 @@ caller must do it in Python: anything the extension cannot place (checked there 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -16,6 +17,14 @@ _pack = getattr(C, "_pack_payload", None) if LOADED else None
 _int_rows = getattr(C, "_int_rows", None) if LOADED else None
 _blocks = getattr(C, "_blocks", None) if LOADED else None
 _compiling = torch.compiler.is_compiling
+
+
+def _called(entry: Any, *args: Any) -> Any:
+    """``entry(*args)``, or None where it is missing, declines (NotImplemented) or must not run (compiling)."""
+    if entry is None or _compiling():
+        return None
+    out = entry(*args)
+    return None if out is NotImplemented else out
 
 
 def pack_payload(
@@ -29,19 +38,13 @@ def pack_payload(
 ) -> Tensor | None:
     """``size`` zeroed bytes on ``device`` holding ``ints`` (int64) from byte 0 and each tensor's bytes at
     ``base + offsets[i]``, its axis ``axes[i]`` moved to the front (a 0-dim one as one row)."""
-    if _pack is None or _compiling():
-        return None
-    out = _pack(size, device, ints, tensors, axes, offsets, base)
-    return None if out is NotImplemented else out
+    return _called(_pack, size, device, ints, tensors, axes, offsets, base)
 
 
 def int_rows(gathered: Tensor, count: int) -> list[list[int]] | None:
     """The first ``count`` int64 of each row of the ``(world, width)`` bytes ``gathered``, as lists (what
     ``gathered[:, :8 * count].view(torch.int64).tolist()`` gives)."""
-    if _int_rows is None or _compiling():
-        return None
-    out = _int_rows(gathered, count)
-    return None if out is NotImplemented else out
+    return _called(_int_rows, gathered, count)
 
 
 def blocks(
@@ -55,7 +58,4 @@ def blocks(
     """Each tensor's part of every row of the bytes ``gathered`` (every row placed alike): ``shapes[i]`` of
     ``dtypes[i]`` at byte ``base + offsets[i]``; with ``rows[i]`` every row's one after the other (a view with one
     row, else a copy), else stacked ``(world, *shape)``."""
-    if _blocks is None or _compiling():
-        return None
-    out = _blocks(gathered, base, dtypes, shapes, offsets, rows)
-    return None if out is NotImplemented else out
+    return _called(_blocks, gathered, base, dtypes, shapes, offsets, rows)

@@ -48,4 +48,6 @@ grep -q "build decision     DPFAST_CUDA=" "$work/info.txt" || fail "info does no
 "$v/python" -m dpfast demo --quiet
 "$v/python" -m dpfast bench --quick --out "$work/bench"
 ls "$work/bench"/bench_ops_*.json "$work/bench"/bench_dp.json > /dev/null
+# the venv is a full torch install (GBs): the next stage needs the disk more than anyone needs it kept
+rm -rf "$work/venv"
 step "passed"

@@ -35,4 +35,5 @@ step "the suite, from outside the tree, on torch $("$v/python" -c 'import torch;
 cd "$work/elsewhere"
 DPFAST_REQUIRE_EXTENSION=1 "$v/python" -m dpfast info
 DPFAST_REQUIRE_EXTENSION=1 "$v/python" -m pytest -q -p no:cacheprovider "$repo/tests"
+rm -rf "$work/venv"  # a full torch install (GBs), of no use once the suite has passed
 step "passed"

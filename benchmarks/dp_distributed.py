@@ -68,7 +68,8 @@ RATIOS = [
 ]
 TINY = 10_000  # tensors in the many-tensors row (2,000 with --quick)
 
-_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "_broadcast_coalesced", "scatter")
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object")
+_COLLECTIVES += ("broadcast", "_broadcast_coalesced", "scatter")
 
 
 def _mlp() -> nn.Module:
@@ -226,7 +227,7 @@ def _counted(variants: dict, steps: int = 5) -> dict:
         for _ in range(3):
             fn()
         calls: list = []
-        saved = {n: getattr(dist, n) for n in _COLLECTIVES}
+        saved = {n: getattr(dist, n) for n in _COLLECTIVES if hasattr(dist, n)}
         for n, f in saved.items():
             setattr(dist, n, _counting(calls, n, f))
         before = _native_collectives(fn)

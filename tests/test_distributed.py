@@ -150,6 +150,8 @@ def _scenarios(world):
     out["mismatched_values"] = _mismatched_values
     out["one_rank_bad_structure"] = _one_rank_bad_structure
     out["one_rank_cannot_gather"] = _one_rank_cannot_gather
+    out["one_rank_sums_an_int_beyond_int64"] = _one_rank_sums_an_int_beyond_int64
+    out["outputs_need_grad_on_some_ranks_only"] = _outputs_need_grad_on_some_ranks_only
     out["shard_helpers"] = _shard_helpers
     out["cost_balanced_split"] = _cost_balanced_split
     out["cost_values_differ_across_ranks"] = _cost_values_differ_across_ranks
@@ -412,6 +414,47 @@ def _one_rank_cannot_gather():
         assert f"rank {rank}" in str(e.value)
     out = dpfast.DistributedDataParallel(Squeezed().to(DT), out_dims=0, gather_outputs=True)(xy(2 * world)[0])
     assert out.shape == (2 * world, 2)  # the group is still usable
+
+
+class RankDependent(nn.Module):
+    """A linear map whose outputs differ by rank in a way only that rank sees: a Python number beside them, or
+    outputs detached on one rank."""
+
+    def __init__(self, extra):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.extra = extra
+
+    def forward(self, x):
+        return self.extra(dist.get_rank(), self.lin(x))
+
+
+def _one_rank_sums_an_int_beyond_int64():
+    """One rank's "sum" output is a Python int no int64 holds: it raised converting it, before the exchange, and
+    the other ranks waited in the exchange until the timeout."""
+    world = dist.get_world_size()
+    ddp = dpfast.DistributedDataParallel(
+        RankDependent(lambda rank, y: (y, 2**70 if rank == 1 else 1)).to(DT), out_dims=(0, "sum"), gather_outputs=True
+    )
+    x, _ = xy(2 * world)
+    expect_batch_error(lambda: ddp(x), contains=("rank 1 could not gather its outputs", "which int64 cannot hold"))
+    y, total = dpfast.DistributedDataParallel(
+        RankDependent(lambda rank, y: (y, 1)).to(DT), out_dims=(0, "sum"), gather_outputs=True
+    )(x)
+    assert y.shape == (2 * world, 2) and total == world  # the group is still usable
+
+
+def _outputs_need_grad_on_some_ranks_only():
+    """Outputs that need grad on rank 0 and not on the others (detached there): every rank gathered, rank 0's
+    backward all-reduced the outputs' gradients and waited for ranks that never would until the timeout."""
+    world = dist.get_world_size()
+    ddp = dpfast.DistributedDataParallel(
+        RankDependent(lambda rank, y: y if rank == 0 else y.detach()).to(DT), gather_outputs=True
+    )
+    x, _ = xy(2 * world)
+    expect_batch_error(lambda: ddp(x).sum().backward(), contains=("need grad",))
+    with torch.no_grad():  # the same module is fine where no rank's outputs need grad
+        assert ddp(x).shape == (2 * world, 2)
 
 
 def _mismatched_values():

@@ -30,6 +30,7 @@ _COLLECTIVES = (
     "all_reduce",
     "all_gather",
     "all_gather_into_tensor",
+    "all_gather_single",
     "all_gather_object",
     "broadcast",
     "_broadcast_coalesced",
@@ -138,6 +139,8 @@ def _no_more_than_torch(factory, gather, inputs_mode):
     torch_step, dpfast_step, ddp = _steps(factory, gather, inputs_mode)
     theirs, ours = _per_step(torch_step), _per_step(dpfast_step, ddp=ddp)
     assert ours.get(("all_reduce", False), 0) >= 1, f"dpfast's gradient all-reduce went uncounted: {dict(ours)}"
+    exchanges = sum(v for (name, _), v in ours.items() if name.startswith("all_gather"))
+    assert exchanges == (1 if gather else 0), f"the output exchange went uncounted: {dict(ours)}"
     assert _total(ours) <= _total(theirs), f"collectives per step: dpfast {dict(ours)}, torch {dict(theirs)}"
     assert _blocking(ours) <= _blocking(theirs), f"blocking calls per step: dpfast {dict(ours)}, torch {dict(theirs)}"
 

@@ -148,3 +148,16 @@ def test_an_out_dims_edited_in_place_is_walked_again():
     spec["b"] = "sum"
     assert kept.sort(out, spec, 0, True).layout.kinds == ["cat", "red"]
     assert kept.sort(out, spec, 1, True).layout is not kept.sort(out, spec, 0, True).layout  # another default dim
+
+
+@pytest.mark.parametrize(
+    "number, reduction, says",
+    [(2**70, "sum", "int64"), (-(2**63) - 1, "sum", "int64"), (1 + 2j, "mean", "float64")],
+)
+def test_a_number_no_tensor_of_its_kind_holds_is_a_value_error_naming_it(number, reduction, says):
+    """A ValueError that names the output and says what to return (the exchange reports it on every rank), not
+    torch's own conversion error (a RuntimeError on some releases, which no rank reported: the others waited)."""
+    with pytest.raises(
+        ValueError, match=rf"output `output\[1\]` is .*, which {says} cannot hold: out_dims '{reduction}'"
+    ):
+        sort_outputs((torch.ones(2, 1), number), (0, reduction), 0, True)

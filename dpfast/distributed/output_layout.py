@@ -159,7 +159,14 @@ def _reduced_leaf(layout: OutputLayout, tensors: list, leaf: Leaf) -> bool:
         t, num = v, None
     elif isinstance(v, numbers.Number) and not isinstance(v, bool):
         num = type(v) if s == "sum" and isinstance(v, int) else float
-        t = torch.tensor(v, dtype=torch.int64 if num is int else torch.float64)
+        try:
+            t = torch.tensor(v, dtype=torch.int64 if num is int else torch.float64)
+        except (RuntimeError, OverflowError, TypeError, ValueError) as exc:  # an int past int64, a complex number
+            held = "int64" if num is int else "float64"
+            raise ValueError(
+                f"output `{leaf.path}` is {v!r}, which {held} cannot hold: out_dims {s!r} gathers a Python number "
+                "as int64 (an int under 'sum') or float64; return it as a tensor of the dtype it needs"
+            ) from exc
     else:
         raise TypeError(
             f"output `{leaf.path}` is a {type(v).__name__}; out_dims {s!r} needs tensors or numbers from every rank"

@@ -31,10 +31,8 @@ from .agreement import NAME, DistributedBatchError, error_line, fingerprint
 from .exchanges import Exchange, GatheredOutputs, RankGroup
 from .output_layout import KeptExchange, OutputLayout, Placement, SortedOutputs, aligned
 
-HEADER_FIELDS = 8  # step status, check fingerprint, forwards, gather status, layout fingerprint, bytes, rows, 0
+HEADER_FIELDS = 8  # step status, check fingerprint, forwards, gather status, layout fingerprint, bytes, rows, grad
 _HEADER_BYTES = 8 * HEADER_FIELDS
-# one all-gather into one buffer (torch 2.4's gloo has it; newer torch names it all_gather_single)
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _write(buf: Tensor, ints: list[int], got: SortedOutputs | None, place: Placement, base: int) -> None:
@@ -85,7 +83,10 @@ def _ints(gathered: Tensor, count: int) -> list[list[int]]:
 def _gathered(group: RankGroup, send: Tensor) -> Tensor:
     """Every rank's ``send``, one row each (a ``(world, len(send))`` view of one buffer)."""
     recv = torch.empty(group.world * send.numel(), dtype=torch.uint8, device=send.device)
-    _all_gather_single(recv, send, group=group.process_group)
+    # one all-gather into one buffer: all_gather_into_tensor (torch 2.4's gloo has it), all_gather_single in newer
+    # torch; looked up at the call, as torch.distributed's own functions are, so that a wrapper of them sees it
+    gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather_into(recv, send, group=group.process_group)
     return recv.view(group.world, send.numel())
 
 
@@ -190,7 +191,7 @@ def gather_across_ranks(call: OutputsCall, out: Any, failed: bool) -> tuple[Any,
     if not failed:
         try:
             got = call.kept.sort(out, spec, call.dim, call.out_dims is not None)
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:  # whatever it is, the other ranks must hear of it in the exchange, not wait
             error = exc
     if got is None:
         layout = OutputLayout(desc=[("error", error_line(error))] if error is not None else [])
@@ -201,13 +202,18 @@ def gather_across_ranks(call: OutputsCall, out: Any, failed: bool) -> tuple[Any,
     rows = layout.own_rows(active)
     place = layout.placement(rows)
     rows_field = -1 if call.local_rows is None else call.local_rows
-    header = call.check_row + [1 if error is not None else 0, layout.fp, place.size, rows_field, 0]
+    # whether this rank's gathered outputs join the graph: then its backward all-reduces their gradients, which
+    # every rank must do or none
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in got.tensors)
+    header = call.check_row + [1 if error is not None else 0, layout.fp, place.size, rows_field, int(needs_grad)]
     ex = _exchange_bytes(g, header, got, rows, place, call.kept.capacity, active)
     call.kept.capacity = ex.capacity
     headers = ex.headers
     call.verify([h[:3] for h in headers])  # a rank that could not plan or run its part: raised on every rank here
     if any(h[3] for h in headers) or len({h[4] for h in headers}) > 1:
         _raise_output_disagreement(g, layout, error, [r for r, h in enumerate(headers) if h[3]])
+    if len({h[7] for h in headers}) > 1:
+        _raise_grad_disagreement(g, [bool(h[7]) for h in headers])
     per_rank = [h[6] for h in headers] if call.sizes is None else None
     if not got.tensors:
         return out, per_rank
@@ -216,7 +222,7 @@ def gather_across_ranks(call: OutputsCall, out: Any, failed: bool) -> tuple[Any,
     else:
         (gathered, all_rows), base = _second_round(g, got, rows, place, [h[5] for h in headers], active), 0
     parts = _decode(layout, gathered, base, all_rows)
-    return _assemble(call, got, all_rows, parts, per_rank), per_rank
+    return _assemble(call, got, all_rows, parts, per_rank, needs_grad), per_rank
 
 
 def _active(call: OutputsCall, rank: int) -> bool:
@@ -235,21 +241,34 @@ def _weights(call: OutputsCall, per_rank: list[int] | None, world: int) -> tuple
     return first, first
 
 
-def _assemble(call: OutputsCall, got: SortedOutputs, rows: list[tuple], parts: list, per_rank: list[int] | None) -> Any:
+def _assemble(
+    call: OutputsCall, got: SortedOutputs, rows: list[tuple], parts: list, per_rank: list[int] | None, needs_grad: bool
+) -> Any:
     g = call.group
     mean_w, sum_w = _weights(call, per_rank, g.world)
     gathered = GatheredOutputs(g, got.layout, rows, mean_w, sum_w, parts)
-    tensors = got.tensors
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        results = Exchange.apply(gathered, *tensors)
-    else:
-        results = gathered.assemble()
+    results = Exchange.apply(gathered, *got.tensors) if needs_grad else gathered.assemble()
     values = list(got.values)
     for i, slot in enumerate(got.layout.slots):
         if slot[0] == "t":
             res = results[slot[1]]
             values[i] = res.item() if slot[2] is int else (float(res.item()) if slot[2] is float else res)
     return values[0] if got.tdef is LEAF else unflatten(got.tdef, values)
+
+
+def _raise_grad_disagreement(group: RankGroup, needs: list[bool]) -> None:
+    yes = [r for r, n in enumerate(needs) if n]
+    no = [r for r, n in enumerate(needs) if not n]
+    lines = [
+        f"{NAME}(gather_outputs=True): the outputs need grad on rank{'s' if len(yes) > 1 else ''} "
+        f"{', '.join(map(str, yes))} and not on rank{'s' if len(no) > 1 else ''} {', '.join(map(str, no))}. Their "
+        "backward is a collective, so every rank's outputs must need grad or none's: run every rank's forward with "
+        "grad enabled or under torch.no_grad() alike, and detach outputs on every rank or on none"
+    ]
+    for r, n in enumerate(needs):
+        what = "an output needs grad" if n else "no output needs grad (or grad is disabled)"
+        lines.append(f"  rank {r}{' (this rank)' if r == group.rank else ''}: {what}")
+    raise DistributedBatchError("\n".join(lines))
 
 
 def _raise_output_disagreement(

@@ -150,6 +150,7 @@ def _scenarios(world):
     out["mismatched_values"] = _mismatched_values
     out["one_rank_bad_structure"] = _one_rank_bad_structure
     out["one_rank_cannot_gather"] = _one_rank_cannot_gather
+    out["channels_last_outputs"] = _channels_last_outputs
     out["one_rank_sums_an_int_beyond_int64"] = _one_rank_sums_an_int_beyond_int64
     out["outputs_need_grad_on_some_ranks_only"] = _outputs_need_grad_on_some_ranks_only
     out["shard_helpers"] = _shard_helpers
@@ -414,6 +415,35 @@ def _one_rank_cannot_gather():
         assert f"rank {rank}" in str(e.value)
     out = dpfast.DistributedDataParallel(Squeezed().to(DT), out_dims=0, gather_outputs=True)(xy(2 * world)[0])
     assert out.shape == (2 * world, 2)  # the group is still usable
+
+
+class ConvMaps(nn.Module):
+    """Feature maps of a channels_last input (channels_last too), and their mean over the batch (made
+    channels_last: a mean over the batch axis is contiguous)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return y, y.mean(0, keepdim=True).contiguous(memory_format=torch.channels_last)
+
+
+def _channels_last_outputs():
+    """Gathered channels_last outputs came back contiguous (right values, another memory format than torch.cat of
+    all-gathered copies gives): now channels_last, with the full batch's values and gradients."""
+    world = dist.get_world_size()
+    x = torch.randn(2 * world + 1, 3, 5, 5, dtype=DT).contiguous(memory_format=torch.channels_last)
+
+    def loss(out):
+        return out[0].pow(2).sum() + out[1].pow(2).sum()
+
+    ddp = _compare_with_full_batch(ConvMaps, (x,), loss, dict(out_dims=(0, "mean")))
+    for out in ddp(x):
+        assert out.is_contiguous(memory_format=torch.channels_last) and not out.is_contiguous(), out.stride()
+    maps, _ = ddp(x.contiguous())  # the same sizes, another format: read again, not taken from the last call
+    assert maps.is_contiguous(), maps.stride()
 
 
 class RankDependent(nn.Module):

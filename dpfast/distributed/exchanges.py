@@ -138,10 +138,12 @@ class GatheredOutputs:
     weights: list[float]  # per rank: its factor in a "mean" (its share)
     sum_weights: list[float]  # per rank: its factor in a "sum" (1 or 0)
     parts: list[list[Tensor]]
+    formats: dict[int, torch.memory_format] = dataclasses.field(default_factory=dict)  # the channels_last ones
 
     def assemble(self) -> list[Tensor]:
         """The full-batch outputs: "cat" tensors concatenated in rank order, "red" ones summed in rank order; each
-        a tensor of its own (no view of the gathered bytes), so that it may be modified in place."""
+        a tensor of its own (no view of the gathered bytes), so that it may be modified in place, in the memory
+        format this rank's output had (channels_last or contiguous)."""
         lay, outs = self.layout, []
         for i, kind in enumerate(lay.kinds):
             parts, shape, device = self.parts[i], lay.shapes[i], lay.devices[i]
@@ -154,7 +156,8 @@ class GatheredOutputs:
                     full = torch.empty((0, *row_shape(shape, lay.axes[i])), dtype=lay.dtypes[i])
                 full = full.to(device)
                 if shape and lay.axes[i]:
-                    full = full.movedim(0, lay.axes[i]).contiguous()
+                    full = full.movedim(0, lay.axes[i])
+                full = full.contiguous(memory_format=self.formats.get(i, torch.contiguous_format))
                 outs.append(full.clone() if full._is_view() else full)  # (0-dim: stacked)
                 continue
             w = self.weights if lay.reductions[i] == "mean" else self.sum_weights
@@ -165,7 +168,7 @@ class GatheredOutputs:
                     total = term if total is None else total + term
             if total is None:
                 total = torch.zeros(shape, dtype=lay.dtypes[i])
-            total = total.to(device)
+            total = total.to(device).contiguous(memory_format=self.formats.get(i, torch.contiguous_format))
             outs.append(total.clone() if total._is_view() else total)
         return outs
 

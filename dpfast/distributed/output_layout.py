@@ -67,6 +67,7 @@ class OutputLayout:
     tensor_leaves: list[int] = dataclasses.field(default_factory=list)  # per tensor: its leaf's position
     move_axes: list[int] = dataclasses.field(default_factory=list)  # per tensor: the axis its rows go along, or 0
     is_cat: list[bool] = dataclasses.field(default_factory=list)  # per tensor: whether it is a "cat" one
+    spatial: list[int] = dataclasses.field(default_factory=list)  # the tensors of 4 or 5 dims (may be channels_last)
     _placements: dict = dataclasses.field(default_factory=dict)
     _grad_groups: list[list[int]] | None = None
 
@@ -143,6 +144,7 @@ def sort_outputs(out: Any, spec: Spec, dim: int, explicit: bool) -> tuple[Sorted
     layout.fp = fingerprint(layout.desc)
     layout.n_cat = layout.kinds.count("cat")
     layout.tensor_leaves = [i for i, slot in enumerate(layout.slots) if slot[0] == "t"]
+    layout.spatial = [i for i, shape in enumerate(layout.shapes) if len(shape) in (4, 5)]
     sorted_ = SortedOutputs(layout, tdef, [leaf.value for leaf in leaves], tensors)
     key = None
     if keepable:

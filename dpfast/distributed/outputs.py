@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..move.scatter import memory_order
 from ..trees.containers import LEAF
 from ..trees.flatten import unflatten
 from ..trees.specs import Spec
@@ -33,6 +34,7 @@ from .output_layout import KeptExchange, OutputLayout, Placement, SortedOutputs,
 
 HEADER_FIELDS = 8  # step status, check fingerprint, forwards, gather status, layout fingerprint, bytes, rows, grad
 _HEADER_BYTES = 8 * HEADER_FIELDS
+_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 
 
 def _write(buf: Tensor, ints: list[int], got: SortedOutputs | None, place: Placement, base: int) -> None:
@@ -246,7 +248,10 @@ def _assemble(
 ) -> Any:
     g = call.group
     mean_w, sum_w = _weights(call, per_rank, g.world)
-    gathered = GatheredOutputs(g, got.layout, rows, mean_w, sum_w, parts)
+    # a channels_last output comes back channels_last, as torch.cat of all_gather's copies of it would (the
+    # format is read every call: the kept layout is keyed on sizes, not strides)
+    formats = {i: _LAST[len(got.layout.shapes[i])] for i in got.layout.spatial if memory_order(got.tensors[i])}
+    gathered = GatheredOutputs(g, got.layout, rows, mean_w, sum_w, parts, formats)
     results = Exchange.apply(gathered, *got.tensors) if needs_grad else gathered.assemble()
     values = list(got.values)
     for i, slot in enumerate(got.layout.slots):

@@ -432,9 +432,11 @@ class ConvMaps(nn.Module):
 
 def _channels_last_outputs():
     """Gathered channels_last outputs came back contiguous (right values, another memory format than torch.cat of
-    all-gathered copies gives): now channels_last, with the full batch's values and gradients."""
+    all-gathered copies gives): now channels_last, with the full batch's values and gradients, on every rank, a
+    rank without rows too."""
     world = dist.get_world_size()
-    x = torch.randn(2 * world + 1, 3, 5, 5, dtype=DT).contiguous(memory_format=torch.channels_last)
+    g = torch.Generator().manual_seed(5)  # the same batch on every rank, whatever ran before
+    x = torch.randn(2 * world + 1, 3, 5, 5, dtype=DT, generator=g).contiguous(memory_format=torch.channels_last)
 
     def loss(out):
         return out[0].pow(2).sum() + out[1].pow(2).sum()
@@ -444,6 +446,14 @@ def _channels_last_outputs():
         assert out.is_contiguous(memory_format=torch.channels_last) and not out.is_contiguous(), out.stride()
     maps, _ = ddp(x.contiguous())  # the same sizes, another format: read again, not taken from the last call
     assert maps.is_contiguous(), maps.stride()
+    # the last rank has no rows: its empty maps read as contiguous, but every rank's gathered ones are channels_last
+    with torch.no_grad():
+        few = x[: world - 1]
+        with solo_context():
+            expected = ddp.module(few)
+        for out, want in zip(ddp(few), expected):
+            assert out.is_contiguous(memory_format=torch.channels_last) and not out.is_contiguous(), out.stride()
+            torch.testing.assert_close(out, want)
 
 
 class RankDependent(nn.Module):
@@ -460,8 +470,9 @@ class RankDependent(nn.Module):
 
 
 def _one_rank_sums_an_int_beyond_int64():
-    """One rank's "sum" output is a Python int no int64 holds: it raised converting it, before the exchange, and
-    the other ranks waited in the exchange until the timeout."""
+    """One rank's "sum" output is a Python int no int64 holds: every rank raises, saying which output and what to
+    return (torch's own conversion error said neither, and where it is a RuntimeError no rank reported it: the
+    others waited in the exchange until the timeout)."""
     world = dist.get_world_size()
     ddp = dpfast.DistributedDataParallel(
         RankDependent(lambda rank, y: (y, 2**70 if rank == 1 else 1)).to(DT), out_dims=(0, "sum"), gather_outputs=True

@@ -1,7 +1,8 @@
 """dpfast.DistributedDataParallel with real packages' models on 2 gloo ranks (CPU processes), against the plain
 model on the whole batch in one process: a tiny Hugging Face BERT (ModelOutput with its loss, logits and hidden
 states; padded attention masks; the global batch, and each rank's own rows) and a torchvision ResNet-18 in
-channels_last with dpfast's SyncBatchNorm (training-mode statistics over the ranks' uneven shares). Nothing is
+channels_last with dpfast's SyncBatchNorm (training-mode statistics over the ranks' uneven shares) returning its
+feature maps through torchvision's feature extractor. Nothing is
 downloaded; float64, no dropout.
 """
 
@@ -87,26 +88,37 @@ def _bert_equals_the_full_batch(inputs: str) -> None:
 
 
 def _resnet_sync_batchnorm_channels_last() -> None:
-    """Two training steps of a channels_last ResNet-18 whose BatchNorms are dpfast's SyncBatchNorm: the gathered
+    """Two training steps of a channels_last ResNet-18 whose BatchNorms are dpfast's SyncBatchNorm, returning its
+    layer2 feature maps beside the logits (torchvision's feature extractor): the gathered maps (channels_last) and
     logits, the gradients and the running statistics are those of torch's BatchNorm over the whole batch."""
+    from torchvision.models.feature_extraction import create_feature_extractor
+
     torch.manual_seed(0)
-    module = torchvision.models.resnet18(num_classes=3).to(DT).to(memory_format=torch.channels_last)
+    net = create_feature_extractor(torchvision.models.resnet18(num_classes=3), {"layer2": "maps", "fc": "logits"})
+    module = net.to(DT).to(memory_format=torch.channels_last)
     ref = copy.deepcopy(module)
     ddp = dpfast.DistributedDataParallel(dpfast.nn.convert_sync_batchnorm(module), gather_outputs=True)
     g = torch.Generator().manual_seed(2)
     x = torch.randn(B, 3, 32, 32, dtype=DT, generator=g).contiguous(memory_format=torch.channels_last)
     y = torch.arange(B) % 3
+
+    def loss(out):
+        return torch.nn.functional.cross_entropy(out["logits"], y) + out["maps"].pow(2).mean()
+
     for step in range(2):
-        for net in (ref, ddp):
-            net.zero_grad()
+        for model in (ref, ddp):
+            model.zero_grad()
         with solo_context():
             expected = ref(x)
         out = ddp(x)
-        torch.testing.assert_close(out, expected, msg=lambda m, step=step: f"step {step} logits: {m}")
-        torch.nn.functional.cross_entropy(expected, y).backward()
-        torch.nn.functional.cross_entropy(out, y).backward()
+        assert_tree_close(out, expected, f"step {step} outputs")
+        assert out["maps"].is_contiguous(memory_format=torch.channels_last) and not out["maps"].is_contiguous()
+        loss(expected).backward()
+        loss(out).backward()
         _assert_same_grads(ddp.module, ref)
-        for (name, a), b in zip(ref.named_buffers(), ddp.module.buffers()):
+        buffers = list(ddp.module.buffers())
+        assert len(buffers) == len(list(ref.buffers())) > 0
+        for (name, a), b in zip(ref.named_buffers(), buffers):
             torch.testing.assert_close(b, a, msg=lambda m, name=name, step=step: f"step {step} buffer {name}: {m}")
         with torch.no_grad():  # the same step taken on both, so the second compares trained weights
             for p, q in zip(ref.parameters(), ddp.module.parameters()):
@@ -118,7 +130,7 @@ def _scenarios(world):
     return {
         "bert_global_batch": lambda: _bert_equals_the_full_batch("global"),
         "bert_per_rank_rows": lambda: _bert_equals_the_full_batch("per_rank"),
-        "resnet18_sync_batchnorm_channels_last": _resnet_sync_batchnorm_channels_last,
+        "resnet18_features_sync_batchnorm_channels_last": _resnet_sync_batchnorm_channels_last,
     }
 
 

@@ -157,7 +157,7 @@ class GatheredOutputs:
                 full = full.to(device)
                 if shape and lay.axes[i]:
                     full = full.movedim(0, lay.axes[i])
-                full = full.contiguous(memory_format=self.formats.get(i, torch.contiguous_format))
+                full = _in_format(full, self.formats.get(i))
                 outs.append(full.clone() if full._is_view() else full)  # (0-dim: stacked)
                 continue
             w = self.weights if lay.reductions[i] == "mean" else self.sum_weights
@@ -168,7 +168,7 @@ class GatheredOutputs:
                     total = term if total is None else total + term
             if total is None:
                 total = torch.zeros(shape, dtype=lay.dtypes[i])
-            total = total.to(device).contiguous(memory_format=self.formats.get(i, torch.contiguous_format))
+            total = _in_format(total.to(device), self.formats.get(i))
             outs.append(total.clone() if total._is_view() else total)
         return outs
 
@@ -210,6 +210,14 @@ class GatheredOutputs:
         if n_rows != shape[axis]:  # a rank whose outputs do not count (a ghost, or not rank 0 when nothing split)
             return torch.zeros(shape, dtype=dtype, device=device)
         return summed if n_rows == summed.shape[axis] else summed.narrow(axis, start, n_rows)
+
+
+def _in_format(t: Tensor, memory_format: torch.memory_format | None) -> Tensor:
+    """``t`` contiguous, or a channels_last copy of it with the strides torch gives one (also where both formats
+    would do, as for 1x1 pixels, whose strides only ``empty(..., memory_format=)`` sets)."""
+    if memory_format is None:
+        return t.contiguous()
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device, memory_format=memory_format).copy_(t)
 
 
 def row_shape(shape: tuple, axis: int) -> tuple:

@@ -32,9 +32,11 @@ from .agreement import NAME, DistributedBatchError, error_line, fingerprint
 from .exchanges import Exchange, GatheredOutputs, RankGroup
 from .output_layout import KeptExchange, OutputLayout, Placement, SortedOutputs, aligned
 
-HEADER_FIELDS = 8  # step status, check fingerprint, forwards, gather status, layout fingerprint, bytes, rows, grad
+# step status, check fingerprint, forwards, gather status, layout fingerprint, bytes, rows, grad and formats
+HEADER_FIELDS = 8
 _HEADER_BYTES = 8 * HEADER_FIELDS
 _LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+_FORMAT_BITS = 62  # the first spatial tensors whose memory format the header carries (bits 1..62 of its last field)
 
 
 def _write(buf: Tensor, ints: list[int], got: SortedOutputs | None, place: Placement, base: int) -> None:
@@ -204,18 +206,19 @@ def gather_across_ranks(call: OutputsCall, out: Any, failed: bool) -> tuple[Any,
     rows = layout.own_rows(active)
     place = layout.placement(rows)
     rows_field = -1 if call.local_rows is None else call.local_rows
-    # whether this rank's gathered outputs join the graph: then its backward all-reduces their gradients, which
-    # every rank must do or none
+    # bit 0: whether this rank's gathered outputs join the graph (then its backward all-reduces their gradients,
+    # which every rank must do or none); bits 1..: which of its 4-d/5-d tensors are channels_last
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in got.tensors)
-    header = call.check_row + [1 if error is not None else 0, layout.fp, place.size, rows_field, int(needs_grad)]
+    flags = int(needs_grad) | (_channels_last_bits(layout, got.tensors) << 1 if layout.spatial else 0)
+    header = call.check_row + [1 if error is not None else 0, layout.fp, place.size, rows_field, flags]
     ex = _exchange_bytes(g, header, got, rows, place, call.kept.capacity, active)
     call.kept.capacity = ex.capacity
     headers = ex.headers
     call.verify([h[:3] for h in headers])  # a rank that could not plan or run its part: raised on every rank here
     if any(h[3] for h in headers) or len({h[4] for h in headers}) > 1:
         _raise_output_disagreement(g, layout, error, [r for r, h in enumerate(headers) if h[3]])
-    if len({h[7] for h in headers}) > 1:
-        _raise_grad_disagreement(g, [bool(h[7]) for h in headers])
+    if len({h[7] & 1 for h in headers}) > 1:
+        _raise_grad_disagreement(g, [bool(h[7] & 1) for h in headers])
     per_rank = [h[6] for h in headers] if call.sizes is None else None
     if not got.tensors:
         return out, per_rank
@@ -224,7 +227,27 @@ def gather_across_ranks(call: OutputsCall, out: Any, failed: bool) -> tuple[Any,
     else:
         (gathered, all_rows), base = _second_round(g, got, rows, place, [h[5] for h in headers], active), 0
     parts = _decode(layout, gathered, base, all_rows)
-    return _assemble(call, got, all_rows, parts, per_rank, needs_grad), per_rank
+    formats = _agreed_formats(layout, headers) if layout.spatial else {}
+    return _assemble(call, got, all_rows, parts, per_rank, needs_grad, formats), per_rank
+
+
+def _channels_last_bits(layout: OutputLayout, tensors: list[Tensor]) -> int:
+    """Bit k: the k-th 4-d/5-d tensor of this rank's outputs is channels_last (read every call: the kept layout
+    is keyed on sizes, not strides). A rank without rows has empty ones, which read as contiguous."""
+    bits = 0
+    for k, i in enumerate(layout.spatial[:_FORMAT_BITS]):
+        if memory_order(tensors[i]) is not None:
+            bits |= 1 << k
+    return bits
+
+
+def _agreed_formats(layout: OutputLayout, headers: list[list[int]]) -> dict:
+    """The gathered tensors that come back channels_last, the same on every rank: those some rank's output was
+    channels_last for, as torch.cat of all-gathered copies of it would be (a rank without rows has no say)."""
+    bits = 0
+    for h in headers:
+        bits |= h[7] >> 1
+    return {i: _LAST[len(layout.shapes[i])] for k, i in enumerate(layout.spatial[:_FORMAT_BITS]) if bits >> k & 1}
 
 
 def _active(call: OutputsCall, rank: int) -> bool:
@@ -244,13 +267,16 @@ def _weights(call: OutputsCall, per_rank: list[int] | None, world: int) -> tuple
 
 
 def _assemble(
-    call: OutputsCall, got: SortedOutputs, rows: list[tuple], parts: list, per_rank: list[int] | None, needs_grad: bool
+    call: OutputsCall,
+    got: SortedOutputs,
+    rows: list[tuple],
+    parts: list,
+    per_rank: list[int] | None,
+    needs_grad: bool,
+    formats: dict,
 ) -> Any:
     g = call.group
     mean_w, sum_w = _weights(call, per_rank, g.world)
-    # a channels_last output comes back channels_last, as torch.cat of all_gather's copies of it would (the
-    # format is read every call: the kept layout is keyed on sizes, not strides)
-    formats = {i: _LAST[len(got.layout.shapes[i])] for i in got.layout.spatial if memory_order(got.tensors[i])}
     gathered = GatheredOutputs(g, got.layout, rows, mean_w, sum_w, parts, formats)
     results = Exchange.apply(gathered, *got.tensors) if needs_grad else gathered.assemble()
     values = list(got.values)

@@ -142,8 +142,8 @@ class GatheredOutputs:
 
     def assemble(self) -> list[Tensor]:
         """The full-batch outputs: "cat" tensors concatenated in rank order, "red" ones summed in rank order; each
-        a tensor of its own (no view of the gathered bytes), so that it may be modified in place, in the memory
-        format this rank's output had (channels_last or contiguous)."""
+        a tensor of its own (no view of the gathered bytes), so that it may be modified in place; channels_last
+        where ``formats`` says (the ranks agreed on it), else contiguous."""
         lay, outs = self.layout, []
         for i, kind in enumerate(lay.kinds):
             parts, shape, device = self.parts[i], lay.shapes[i], lay.devices[i]

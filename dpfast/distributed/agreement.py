@@ -39,8 +39,9 @@ class DistributedBatchError(ScatterError):
     """Raised on every rank when the ranks disagree, or one rank cannot run its part of the step.
 
     What they disagree on: the batch (its structure, dtypes, batch axes, and with the global batch ``B``, the split
-    and every shape), the outputs to gather, or the wrapper's own settings (at construction). The message has a line
-    per rank saying what differs. A subclass of :class:`dpfast.ScatterError`.
+    and every shape), the outputs to gather (their structure, and whether they need grad), or the wrapper's own
+    settings (at construction). The message has a line per rank saying what differs. A subclass of
+    :class:`dpfast.ScatterError`.
     """
 
     __module__ = "dpfast"  # printed and pickled as dpfast.DistributedBatchError, the name users catch it by

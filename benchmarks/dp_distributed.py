@@ -69,7 +69,7 @@ RATIOS = [
 TINY = 10_000  # tensors in the many-tensors row (2,000 with --quick)
 
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object")
-_COLLECTIVES += ("broadcast", "_broadcast_coalesced", "scatter")
+_COLLECTIVES += ("all_to_all_single", "broadcast", "_broadcast_coalesced", "scatter")
 
 
 def _mlp() -> nn.Module:

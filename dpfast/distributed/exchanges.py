@@ -2,9 +2,9 @@
 the gradients of the call's inputs.
 
 :class:`Exchange` assembles the outputs from every rank's contribution (all-gathered as bytes by
-:mod:`dpfast.distributed.outputs`); its backward all-reduces every rank's output gradients and keeps this rank's
-part, the exact adjoint, so a loss on the gathered outputs gives the full-batch gradient after DDP's averaging (see
-:mod:`dpfast.distributed.module`).
+:mod:`dpfast.distributed.outputs`); its backward sums this rank's part of every rank's output gradients (one
+all-to-all per dtype), the exact adjoint, so a loss on the gathered outputs gives the full-batch gradient after
+DDP's averaging (see :mod:`dpfast.distributed.module`).
 """
 
 from __future__ import annotations
@@ -173,43 +173,96 @@ class GatheredOutputs:
         return outs
 
     def backward(self, grads: Sequence[Tensor | None]) -> list[Tensor | None]:
-        """The adjoint: every rank's output gradients summed (one all-reduce per dtype), this rank's part kept."""
+        """The adjoint: every rank's output gradients summed over ranks, each rank getting only its own part. One
+        all-to-all per dtype: rank ``j`` is sent every rank's gradient of ``j``'s rows of each "cat" tensor, and of
+        each "red" tensor whole, and sums what it gets in rank order (an all-reduce would sum every row on every
+        rank; on gloo it costs several times an all-to-all, benchmarks/RESULTS.md)."""
         out: list[Tensor | None] = [None] * len(grads)
-        g, devices = self.group, self.layout.devices
+        g, world = self.group, self.group.world
         for idx in self.layout.grad_groups():
-            if len(idx) == 1:  # (one tensor of its dtype: summed in a contiguous copy of its own)
-                i = idx[0]
-                buf = torch.clone(grads[i], memory_format=torch.contiguous_format).to(g.comm_device)
+            send, in_splits, own = self._send(idx, grads)
+            dtype, mine = self.layout.dtypes[idx[0]], sum(own)
+            if sum(in_splits):  # (the same total on every rank: every rank's rows are known to all)
+                recv = torch.empty(world * mine, dtype=dtype, device=g.comm_device)
+                item = send.element_size()  # sent as bytes: any dtype, complex included
+                dist.all_to_all_single(
+                    recv.view(torch.uint8),
+                    send.view(torch.uint8),
+                    [mine * item] * world,
+                    [n * item for n in in_splits],
+                    group=g.process_group,
+                )
+                summed = recv.view(world, mine).sum(0)
             else:
-                buf = torch.cat([grads[i].reshape(-1).to(g.comm_device) for i in idx])  # zeros where unused
-            if buf.numel():
-                dist.all_reduce(buf, group=g.process_group)  # sum over ranks of dL_r / d(gathered output)
-            if len(idx) == 1:
-                out[idx[0]] = self._own_part(idx[0], buf.to(devices[idx[0]]))
-                continue
+                summed = torch.zeros(0, dtype=dtype, device=g.comm_device)
             o = 0
-            for i in idx:
-                n = grads[i].numel()
-                out[i] = self._own_part(i, buf[o : o + n].view(grads[i].shape).to(devices[i]))
+            for i, n in zip(idx, own):
+                out[i] = self._own_part(i, summed[o : o + n])
                 o += n
         return out
 
+    def _send(self, idx: list[int], grads: Sequence[Tensor]) -> tuple[Tensor, list[int], list[int]]:
+        """What this rank sends of the gradients of outputs ``idx`` (one dtype), flat, on the collectives' device,
+        in order of destination rank; how many elements each rank is sent; per output, how many of the elements
+        each rank sends this one are its."""
+        g = self.group
+        if len(idx) == 1:  # one output of its dtype: its rows are already in order of destination (one copy at most)
+            i = idx[0]
+            flat = self._rows_first(i, grads[i]).reshape(-1).to(g.comm_device).contiguous()  # (an expanded one)
+            if self.layout.kinds[i] == "red":
+                return flat.repeat(g.world), [flat.numel()] * g.world, [flat.numel()]
+            size = math.prod(row_shape(self.layout.shapes[i], self.layout.axes[i]))
+            in_splits = [n * size for n in self._rows(i)]
+            return flat, in_splits, [in_splits[g.rank]]
+        sends: list[list[Tensor]] = [[] for _ in range(g.world)]
+        own = []
+        for i in idx:
+            pieces = self._pieces(i, grads[i])
+            for j, piece in enumerate(pieces):
+                sends[j].append(piece)
+            own.append(pieces[g.rank].numel())
+        in_splits = [sum(p.numel() for p in per) for per in sends]
+        return torch.cat([p.to(g.comm_device) for per in sends for p in per]), in_splits, own
+
+    def _rows(self, i: int) -> list[int]:
+        """Every rank's rows of "cat" tensor ``i`` (0 for a rank whose outputs do not count)."""
+        j = self.layout.kinds[:i].count("cat")  # its place among the "cat" tensors
+        return [mine[j] for mine in self.rows]
+
+    def _pieces(self, i: int, grad: Tensor) -> list[Tensor]:
+        """Per rank, what it needs of this rank's gradient of gathered output ``i``, flat: its rows ("cat"), or the
+        whole of it ("red")."""
+        if self.layout.kinds[i] == "red":
+            return [grad.reshape(-1)] * self.group.world
+        rows_first = self._rows_first(i, grad)
+        pieces, start = [], 0
+        for n in self._rows(i):
+            pieces.append(rows_first[start : start + n].reshape(-1))
+            start += n
+        return pieces
+
+    def _rows_first(self, i: int, grad: Tensor) -> Tensor:
+        """The gradient of gathered output ``i`` with its rows along axis 0 ("cat"; a 0-dim output is stacked
+        already), or as it is ("red")."""
+        axis = self.layout.axes[i]
+        return grad.movedim(axis, 0) if axis and self.layout.kinds[i] == "cat" and self.layout.shapes[i] else grad
+
     def _own_part(self, i: int, summed: Tensor) -> Tensor:
+        """This rank's gradient of its output ``i`` from ``summed`` (its part of every rank's gradient of the
+        gathered output, summed, flat)."""
         lay = self.layout
         dtype, device, shape = lay.dtypes[i], lay.devices[i], lay.shapes[i]
         r = self.group.rank
         if lay.kinds[i] == "red":
             w = (self.weights if lay.reductions[i] == "mean" else self.sum_weights)[r]
-            return torch.zeros(shape, dtype=dtype, device=device) if w == 0 else summed * w
-        j = lay.kinds[:i].count("cat")  # its place among the "cat" tensors
-        rows = [mine[j] for mine in self.rows]
-        start, n_rows = sum(rows[:r]), rows[r]
+            return torch.zeros(shape, dtype=dtype, device=device) if w == 0 else summed.view(shape).to(device) * w
+        n_rows = self._rows(i)[r]
         if len(shape) == 0:  # a 0-dim output, stacked: this rank's entry (if it counted)
-            return summed[start] if n_rows else torch.zeros((), dtype=dtype, device=device)
+            return summed.view(()).to(device) if n_rows else torch.zeros((), dtype=dtype, device=device)
         axis = lay.axes[i]
         if n_rows != shape[axis]:  # a rank whose outputs do not count (a ghost, or not rank 0 when nothing split)
             return torch.zeros(shape, dtype=dtype, device=device)
-        return summed if n_rows == summed.shape[axis] else summed.narrow(axis, start, n_rows)
+        return summed.view((n_rows, *row_shape(shape, axis))).movedim(0, axis).to(device)
 
 
 def _in_format(t: Tensor, memory_format: torch.memory_format | None) -> Tensor:

@@ -17,7 +17,8 @@ What one forward does, on every rank:
 Gradient math with ``gather_outputs=True``: rank ``r`` computes ``o_r = f(x_r; θ)``; the gather gives every rank
 ``O = [o_0, ..., o_{W-1}]`` and every rank computes the same loss ``L(O)`` and calls ``backward``. The backward of
 the gather is the exact adjoint of an all-gather in the global graph: the output gradients of **all** ranks are
-summed (all-reduce) and rank ``r`` keeps its slice, ``W · ∂L/∂o_r`` (for ``"mean"``/``"sum"`` outputs,
+summed and rank ``r`` keeps its slice (one all-to-all: each rank gets only its slice of every rank's gradient),
+``W · ∂L/∂o_r`` (for ``"mean"``/``"sum"`` outputs,
 ``c_r · W · ∂L/∂v`` with ``c_r`` the rank's weight). Rank ``r``'s parameter gradient is ``W · J_rᵀ ∂L/∂o_r``, and
 DDP's all-reduce *averages*: ``(1/W) Σ_r W · J_rᵀ ∂L/∂o_r = ∂L/∂θ``, exactly the single-process full-batch
 gradient, with the global batch or per-rank inputs alike. Every rank must use the gathered outputs the same way

@@ -206,7 +206,7 @@ def gather_across_ranks(call: OutputsCall, out: Any, failed: bool) -> tuple[Any,
     rows = layout.own_rows(active)
     place = layout.placement(rows)
     rows_field = -1 if call.local_rows is None else call.local_rows
-    # bit 0: whether this rank's gathered outputs join the graph (then its backward all-reduces their gradients,
+    # bit 0: whether this rank's gathered outputs join the graph (then its backward exchanges their gradients,
     # which every rank must do or none); bits 1..: which of its 4-d/5-d tensors are channels_last
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in got.tensors)
     flags = int(needs_grad) | (_channels_last_bits(layout, got.tensors) << 1 if layout.spatial else 0)

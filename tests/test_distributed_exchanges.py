@@ -1,8 +1,8 @@
 """dpfast.distributed.exchanges on 2 and 3 gloo ranks: the gathered outputs' adjoint (each rank gets its part of
 every rank's output gradients, summed, by one all-to-all per dtype) equals what every rank's gradients all-reduced
 and then cut to this rank's part give, for every kind of output: "cat" along any axis (this rank's rows, none, or
-a rank whose outputs do not count), a stacked 0-dim output, "mean" and "sum" ones, an expanded gradient, and
-dtypes in groups of one (float64, complex64) and of several (float32)."""
+a rank whose outputs do not count), a stacked 0-dim output, "mean" and "sum" ones, gradients expanded from one
+element, and dtypes in groups of one (float64, complex64) and of several (float32)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def _local(rows: tuple, counts: bool) -> dict:
     }
 
 
-def _adjoint_is_the_all_reduce_cut(counts: bool) -> None:
+def _adjoint_is_the_all_reduce_cut(counts: bool, expanded: bool = False) -> None:
+    """``expanded``: every gradient one element broadcast (strides 0), as ``out.sum().backward()`` gives."""
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = ROWS[world]
     got, _ = sort_outputs(_local(rows[rank], counts or rank != 1), OUT_DIMS, 0, True)
@@ -48,8 +49,8 @@ def _adjoint_is_the_all_reduce_cut(counts: bool) -> None:
     for t, name in zip(got.tensors, ("a", "b", "m", "s", "z")):
         grads.append(torch.randn(full[name], generator=g, dtype=torch.float64).to(t.dtype))
     grads[1] = grads[1] + 1j * torch.randn(full["b"], generator=g).to(grads[1].dtype)
-    grads[1] = grads[1][0, 0].expand(full["b"])  # as `.sum().backward()` gives: one element, strides 0
-    grads[2] = grads[2][:1].expand(2)
+    if expanded:
+        grads = [x.reshape(-1)[0].expand(x.shape) if x.numel() else x for x in grads]
 
     mine = gathered.backward(grads)
 
@@ -75,6 +76,7 @@ def _scenarios(world):
     return {
         "adjoint_is_the_all_reduce_cut": lambda: _adjoint_is_the_all_reduce_cut(True),
         "adjoint_of_a_rank_whose_outputs_do_not_count": lambda: _adjoint_is_the_all_reduce_cut(False),
+        "adjoint_of_expanded_gradients": lambda: _adjoint_is_the_all_reduce_cut(True, expanded=True),
     }
 
 

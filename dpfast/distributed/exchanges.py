@@ -206,14 +206,6 @@ class GatheredOutputs:
         in order of destination rank; how many elements each rank is sent; per output, how many of the elements
         each rank sends this one are its."""
         g = self.group
-        if len(idx) == 1:  # one output of its dtype: its rows are already in order of destination (one copy at most)
-            i = idx[0]
-            flat = self._rows_first(i, grads[i]).reshape(-1).to(g.comm_device).contiguous()  # (an expanded one)
-            if self.layout.kinds[i] == "red":
-                return flat.repeat(g.world), [flat.numel()] * g.world, [flat.numel()]
-            size = math.prod(row_shape(self.layout.shapes[i], self.layout.axes[i]))
-            in_splits = [n * size for n in self._rows(i)]
-            return flat, in_splits, [in_splits[g.rank]]
         sends: list[list[Tensor]] = [[] for _ in range(g.world)]
         own = []
         for i in idx:

@@ -22,6 +22,7 @@
 #include "python_many.h"
 
 #include "op_handles.h"
+#include "plain_tensors.h"
 #include "python_args.h"
 #include "python_fast.h"
 
@@ -64,18 +65,6 @@ bool unpack(PyObject* const* columns, size_t replicas, std::vector<Leaf>& leaves
     }
   }
   return true;
-}
-
-bool dense(const at::Tensor& t) {
-  return t.defined() && t.layout() == at::kStrided && !t.is_nested() && !t.is_quantized();
-}
-
-// Whether dpfast/move/scatter.py's memory_order may take `t` for channels_last (then Python moves it, through its
-// NHWC view): any 4-d or 5-d tensor contiguous in that format, also one contiguous in both (its strides decide).
-bool maybe_channels_last(const at::Tensor& t) {
-  const int64_t nd = t.dim();
-  const auto format = nd == 4 ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::ChannelsLast3d;
-  return (nd == 4 || nd == 5) && t.is_contiguous(format);
 }
 
 // What dpfast/move/gather.py's own path would hand to ops.gather unchanged: dense chunks of one dtype and rank that
@@ -240,13 +229,6 @@ PyObject* py_plain_batch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (list == nullptr) return nullptr;
   return Py_BuildValue("(LNL)", static_cast<long long>(batch), list, static_cast<long long>(index < -1 ? -1 : index));
   END_HANDLE_TH_ERRORS
-}
-
-// Tensor `t` cut to rows [start, start + length) along `axis`, as dpfast/distributed/sharding.py's _narrowed does:
-// a view along axis 0, else a contiguous copy (through the dispatcher: autograd and dispatch modes see each op).
-at::Tensor narrowed(const at::Tensor& t, int64_t axis, int64_t start, int64_t length) {
-  at::Tensor v = t.narrow(axis, start, length);
-  return axis == 0 ? v : v.contiguous();
 }
 
 // _narrow_many(tensors, axes, start, length) -> list | NotImplemented

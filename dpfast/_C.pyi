@@ -45,6 +45,12 @@ def _narrow_many(tensors: Sequence[Tensor], axes: Sequence[int], start: int, len
 # per tensor its sizes, dtype and requires_grad, in one flat tuple, or NotImplemented
 def _tensor_facts(tensors: Sequence[Tensor]) -> Any: ...
 
+# the tensors checked against a kept call's facts, axes and device index and cut (length -1: only checked, True),
+# None when one reads otherwise, or NotImplemented
+def _kept_cut(
+    tensors: Sequence[Tensor], facts: tuple, axes: Sequence[int], index: int, start: int, length: int
+) -> Any: ...
+
 # one rank's bytes of DDP's output exchange (csrc/python_exchange.cpp): size zeroed bytes on device, the ints from
 # byte 0, each tensor (its axis moved to the front) at base + its offset; or NotImplemented
 def _pack_payload(

@@ -195,6 +195,7 @@ if LOADED:
     _fast_plain_batch = getattr(_C, "_plain_batch", None)
     _fast_narrow_many = getattr(_C, "_narrow_many", None)
     _fast_tensor_facts = getattr(_C, "_tensor_facts", None)
+    _fast_kept_cut = getattr(_C, "_kept_cut", None)
 
     def _gather_many(
         columns: Sequence[Sequence[Tensor]], dims: Sequence[int], device: torch.device, sizes: Sequence[int]
@@ -239,6 +240,18 @@ if LOADED:
         if _fast_tensor_facts is None or _compiling():
             return None
         out = _fast_tensor_facts(tensors)
+        return None if out is NotImplemented else out
+
+    def _kept_cut(
+        tensors: Sequence[Tensor], facts: tuple, axes: Sequence[int], index: int, start: int, length: int
+    ) -> list[Tensor] | bool | None:
+        """A call's tensors checked against what :func:`_plain_batch` (its ``axes`` and device ``index``) and
+        :func:`_tensor_facts` (``facts``) read of a kept call's, and cut as :func:`_narrow_many` cuts them (with
+        ``length`` -1: only checked, True); None when any one reads otherwise, or when it cannot tell (a
+        ``__torch_function__`` mode, ``torch.compile``): the caller then reads them in full."""
+        if _fast_kept_cut is None or _compiling():
+            return None
+        out = _fast_kept_cut(tensors, facts, axes, index, start, length)
         return None if out is NotImplemented else out
 
     # ---- fake kernels: shapes, dtypes and devices only, for torch.compile / FakeTensor tracing and meta tensors.
@@ -306,6 +319,11 @@ else:
 
     def _tensor_facts(tensors: Sequence[Tensor]) -> tuple | None:
         return None  # without the extension the facts are read in Python
+
+    def _kept_cut(
+        tensors: Sequence[Tensor], facts: tuple, axes: Sequence[int], index: int, start: int, length: int
+    ) -> list[Tensor] | bool | None:
+        return None  # without the extension nothing is kept
 
 
 def state_to_batch_first(state: RNNState) -> RNNState:

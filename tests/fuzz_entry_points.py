@@ -1,8 +1,8 @@
 """A seeded fuzzer of the extension's CPython argument parsing: hostile objects inside legal-looking arguments.
 
 Each round takes one private entry point of ``dpfast._C`` or ``dpfast._C_hooks`` (the cost arithmetic, the kernel-
-walk hooks, the ops' fast path, the entry points of many leaves, the replicas' dict checks, the output exchange's
-bytes) with valid arguments,
+walk hooks, the ops' fast path, the entry points of many leaves, the kept call's check and cut, the replicas' dict
+checks, the output exchange's bytes) with valid arguments,
 then hides a hostile object in one of them: an int whose ``__index__`` empties, shrinks or grows the list it sits in
 (or every list of the call), raises, or returns a number past int64; an object whose ``__class__`` claims to be a
 Tensor; a list subclass whose ``__iter__`` and ``__len__`` lie; for the replicas' dict checks, keys and values whose
@@ -11,9 +11,9 @@ its saved dicts. The oracle: the call gives exactly what the same
 call gives with a harmless object in the hostile one's place (the extension reads every list as it was when the call
 began), or the error that hook asks for (the exception ``__index__`` raised; a TypeError or ValueError for a number
 past int64 or an object that is no Tensor); the ops' fast path and the entry points of many leaves may decline
-(NotImplemented, or None from ``_plain_batch``: dpfast.ops then goes through torch.ops, planning and the cut through
-Python). Never a crash: ``make sanitize`` runs it under AddressSanitizer with PYTHONMALLOC=malloc, where reading a
-freed object is a report.
+(NotImplemented, or None from ``_plain_batch`` and ``_kept_cut``: dpfast.ops then goes through torch.ops, planning
+and the cut through Python). Never a crash: ``make sanitize`` runs it under AddressSanitizer with
+PYTHONMALLOC=malloc, where reading a freed object is a report.
 
     python tests/fuzz_entry_points.py --seconds 20 --seed 0
 
@@ -84,6 +84,7 @@ def draw_call(r: random.Random) -> tuple[str, Callable, list[Any]]:
     """(name, function, arguments): arguments valid as plain lists of ints and tensors."""
     choices = ["exact_prefix", "balanced_bounds", "split", "scatter", "gather", "gather_many", "plain_batch"]
     choices += ["narrow_many", "tensor_facts", "same_dicts", "restore_dicts", "pack_payload", "int_rows", "blocks"]
+    choices += ["kept_cut"]
     if HOOKS is not None:
         choices += ["job_offsets", "replay", "side_streams", "node_streams"]
     name = r.choice(choices)
@@ -129,6 +130,11 @@ def draw_call(r: random.Random) -> tuple[str, Callable, list[Any]]:
         start = r.randrange(x.shape[0] + 1)
         rows = fresh([start, r.randrange(x.shape[0] - start + 1)])
         return name, C._narrow_many, [leaves, fresh([r.choice([0, -1]) for _ in leaves]), *rows]
+    if name == "kept_cut":  # the facts as _tensor_facts read them, of these leaves or (sometimes) of others
+        facts = C._tensor_facts(leaves if r.random() < 0.7 else leaves[::-1])
+        start = r.randrange(x.shape[0] + 1)
+        rows = fresh([start, r.choice([-1, r.randrange(x.shape[0] - start + 1)])])
+        return name, C._kept_cut, [leaves, facts, fresh([r.choice([0, -1]) for _ in leaves]), -1, *rows]
     if name == "pack_payload":  # each leaf 16-byte aligned after the ints, at most one axis moved
         offsets, at = [], 64
         for t in leaves:
@@ -305,7 +311,7 @@ def judge(name: str, action: str, benign: tuple, got: tuple) -> str:
     """'' when the hostile call's outcome is allowed, else why not."""
     if name in FAST_PATH and got[0] == "ok" and got[1] is NotImplemented:
         return ""
-    if name == "plain_batch" and got[0] == "ok" and got[1] in (None, NotImplemented):  # planning walks in full
+    if name in ("plain_batch", "kept_cut") and got[0] == "ok" and got[1] in (None, NotImplemented):  # read in full
         return ""
     if action == "fake tensor":
         return "" if got[:2] == ("error", TypeError) else f"{short(got)} for an object that is no Tensor"

@@ -183,3 +183,94 @@ def test_calls_that_never_repeat_stop_being_kept():
     for _ in range(70):  # one shape again: kept after the pause, then taken
         call(30)
     assert call(30) and kept.misses == 0
+
+
+def _variant(x: torch.Tensor, how: str) -> torch.Tensor:
+    """``x`` (a fresh (6, 6, 6, 6) tensor: 6 rows along any axis) changed in one way that planning or the record
+    reads, or in none."""
+    if how == "same":
+        return x.clone()
+    if how == "size":
+        return torch.randn(6, 6, 6, 7)
+    if how == "rows":
+        return torch.randn(5, 6, 6, 6)
+    if how == "dtype":
+        return x.double()
+    if how == "grad":
+        return x.clone().requires_grad_()
+    if how == "strided":  # another memory layout, the same facts: plain all the same
+        return x.transpose(1, 2).contiguous().transpose(1, 2)
+    if how == "channels_last":
+        return x.contiguous(memory_format=torch.channels_last)
+    if how == "meta":
+        return x.to("meta")
+    if how == "sparse":
+        return x.to_sparse()
+    if how == "parameter":
+        return torch.nn.Parameter(x.clone(), requires_grad=False)
+    if how == "subclass":
+        return x.clone().as_subclass(_Marked)
+    raise AssertionError(how)
+
+
+class _Marked(torch.Tensor):
+    pass
+
+
+HOW = ["same", "size", "rows", "dtype", "grad", "strided", "channels_last", "meta", "sparse", "parameter", "subclass"]
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from([0, 1, -1, None]), st.sampled_from(HOW)), min_size=1, max_size=5),
+    st.integers(0, 6),
+    st.integers(-1, 6),
+)
+def test_the_one_call_check_reads_as_the_full_reading(leaves, start, length):
+    """ops._kept_cut takes a call's tensors exactly when reading them in full (_plain_batch and _tensor_facts)
+    gives what the kept call read, and then cuts them as _narrow_many does: the same views, the same objects where
+    nothing is cut (length -1: checked only). Every way a tensor can read otherwise, alone or together."""
+    from dpfast import ops
+    from dpfast.distributed.kept_call import _read
+
+    base = [torch.randn(6, 6, 6, 6) for _ in leaves]
+    specs = [spec for spec, _ in leaves]
+    kept = _read(base, specs)
+    if kept is None:  # (no spec is an int: nothing is split, nothing kept)
+        assert all(spec is None for spec in specs)
+        return
+    tensors = [_variant(x, how) for x, (_, how) in zip(base, leaves)]
+    (_, axes, index), facts = kept
+    got = ops._kept_cut(tensors, facts, axes, index, start, length)
+    reads_alike = _read(tensors, specs) == kept
+    rows_inside = length < 0 or start + length <= 6
+    assert (got is not None) == (reads_alike and rows_inside), (leaves, got)
+    if got is None or length < 0:
+        assert got is None or got is True
+        return
+    want = ops._narrow_many(tensors, axes, start, length)
+    for g, w, t in zip(got, want, tensors):
+        assert type(g) is type(w) and g.shape == w.shape and g.stride() == w.stride() and torch.equal(g, w)
+        assert (g is t) == (w is t)
+        if g is not t and g._base is not None:
+            assert g.data_ptr() == w.data_ptr()
+
+
+def test_a_call_like_the_kept_one_is_taken_without_reading_it_in_full(monkeypatch):
+    """A call like the kept one is checked and cut by the one call into the extension: the full reading runs only
+    for a call that reads otherwise, and what it read is kept for the planning that follows (``declined``)."""
+    import dpfast.distributed.kept_call as kept_call
+
+    binding = Binding(_forward, IN_DIMS, 0)
+    describe = StepDescriber(False, hash_values=False)
+    for _ in range(3):
+        kept = _planned(binding, describe, *_call(*BASE), 2, 1)
+    assert kept is not None
+    reads = []
+    full_read = kept_call._read
+    monkeypatch.setattr(kept_call, "_read", lambda *a: reads.append(a) or full_read(*a))
+    got = kept.take(binding, *_call(*BASE))
+    assert got is not None and reads == []
+    args, kwargs = _call(5, 3, torch.float32, False, True, True, 1.0)
+    assert kept.take(binding, args, kwargs) is None
+    assert len(reads) == 1 and kept.declined == full_read(*reads[0]) and kept.declined[0][0] == 5

@@ -260,6 +260,40 @@ ENTRY_POINT_CASES = {
         # columns of another length than dims: declined before anything is sized by their counts
         assert C._gather_many([[]] * 100_000, [0] * 10_000, cpu, [1]) is NotImplemented
     """,
+    # _kept_cut reads exact ints and exact Tensors too; its facts (a tuple: nothing can change it) are compared in
+    # place, each read only while the tensor's own facts last
+    "kept_cut_declines_hostile_items_and_facts_that_run_out": """
+        xs = [torch.randn(300, 2) for _ in range(3)]
+        facts, axes = C._tensor_facts(xs), [0, -1, 0]
+        cut = C._kept_cut(xs, facts, axes, -1, 100, 50)
+        assert [c.shape[0] for c in cut] == [50, 300, 50] and cut[1] is xs[1] and cut[0]._base is xs[0]
+        assert C._kept_cut(xs, facts, axes, -1, 0, -1) is True
+        assert C._kept_cut(xs, list(facts), axes, -1, 100, 50) is NotImplemented
+        assert C._kept_cut(xs, facts, hostile(axes), -1, 100, 50) is NotImplemented
+        assert C._kept_cut(xs, facts, axes, hostile([-1])[0], 100, 50) is NotImplemented
+        assert C._kept_cut(xs, facts, axes, -1, hostile([100])[0], 50) is NotImplemented
+        assert C._kept_cut(xs, facts, axes, -1, 100, -2) is NotImplemented
+        assert C._kept_cut([NotATensor()] * 3, facts, axes, -1, 100, 50) is None
+        assert C._kept_cut(xs, facts[:-1], axes, -1, 100, 50) is None  # the facts run out inside the last tensor's
+        assert C._kept_cut(xs, facts[:2], axes, -1, 100, 50) is None
+        assert C._kept_cut(xs, (), axes, -1, 100, 50) is None
+        assert C._kept_cut(xs, facts + (1,), axes, -1, 100, 50) is None  # facts left over
+        assert C._kept_cut(xs, (NotATensor(),) + facts[1:], axes, -1, 100, 50) is None
+        assert C._kept_cut(xs, (2**64,) + facts[1:], axes, -1, 100, 50) is None
+        assert C._kept_cut(xs, facts, axes[:2], -1, 100, 50) is None
+        assert C._kept_cut(xs, facts, [0, -1, 2], -1, 100, 50) is None  # an axis the tensor does not have
+        assert C._kept_cut(xs, facts, [0, -1, -2], -1, 100, 50) is None
+        assert C._kept_cut(xs, facts, axes, 0, 100, 50) is None  # another device
+        assert C._kept_cut(xs, facts, axes, -1, 2**63 - 1, 2**63 - 1) is None  # rows outside
+        assert C._kept_cut(xs, facts, axes, -1, 251, 50) is None
+        assert C._kept_cut(xs, facts, axes, -1, 2**64, 1) is NotImplemented
+    """,
+    "kept_cut_list_emptied_by_a_collection": """
+        xs = [torch.randn(300, 2) for _ in range(64)]
+        facts = C._tensor_facts(xs)
+        got = emptied_by_a_collection(C._kept_cut, xs, facts, [0] * 64, -1, 10, 20)
+        assert len(got) == 64 and all(t.shape == (20, 2) for t in got) and not xs, got
+    """,
     # _pack_payload reads exact ints and exact Tensors too, and checks every place before anything is made
     "pack_payload_declines_hostile_items_and_places_outside": """
         cpu, xs = torch.device("cpu"), [torch.randn(300, 2) for _ in range(3)]

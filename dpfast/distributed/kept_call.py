@@ -5,7 +5,9 @@ share derive from a call read along the kept skeleton is fixed by that skeleton 
 every axis, dtype, ``requires_grad``, and that it is a plain dense tensor (and on which device): the settings
 are fixed once the wrapper is built. So a call of the very same skeleton whose tensors read the same (two calls
 into the extension, :func:`dpfast.ops._plain_batch` and :func:`dpfast.ops._tensor_facts`) gets the last call's
-record and share, and only its cut is made anew (:func:`dpfast.ops._narrow_many`, as ``cut_rows`` makes it).
+record and share, and only its cut is made anew (:func:`dpfast.ops._narrow_many`, as ``cut_rows`` makes it). Both
+the reading and the cut of a call like the kept one are one call into the extension (:func:`dpfast.ops._kept_cut`,
+which compares the tensors with what was kept in place); where it declines, the call is read in full.
 
 Kept only for what needs nothing per call beyond the cut: a split by count (no ``cost=``, no
 ``check_batch="values"``), a rank with rows, and no input that requires grad (those are seen through an autograd
@@ -80,6 +82,29 @@ class KeptCall:
         if flat is None:
             return None
         tensors = skeleton.tensor_values(flat)
+        share, (_, axes, index) = self.share, self.batch
+        if share is None:  # per-rank inputs: this rank's rows are all of them, passed as given
+            cut = ops._kept_cut(tensors, self.facts, axes, index, 0, -1)
+        else:
+            cut = ops._kept_cut(tensors, self.facts, axes, index, share.start, share.stop - share.start)
+        if cut is None:  # it reads otherwise (or the extension cannot tell): read it in full
+            return self._take_read(skeleton, tensors, flat, tree, inputs, kwargs)
+        record = None if self.items is None else StepRecord(OK, None, self.items, self.fp)
+        if share is None:
+            return inputs, kwargs, record
+        if len(cut) == len(flat):  # every leaf a tensor
+            values = cut
+        else:
+            values = list(flat)
+            for i, v in zip(skeleton.tensors, cut):
+                values[i] = v
+        args, kw = skeleton.rebuild_flat(values) if tree is None else tree.rebuild(values)
+        return args, kw, record
+
+    def _take_read(
+        self, skeleton: Any, tensors: Sequence[Any], flat: Sequence[Any], tree: Any, inputs: tuple, kwargs: dict
+    ) -> tuple[tuple, dict, StepRecord | None] | None:
+        """:meth:`take` by reading the call's tensors in full, where the one-call check declined."""
         read = _read(tensors, skeleton.specs)
         if read != (self.batch, self.facts):
             # planning reads this call along the same skeleton next: what was read here need not be read again
@@ -87,7 +112,7 @@ class KeptCall:
             return None
         record = None if self.items is None else StepRecord(OK, None, self.items, self.fp)
         share = self.share
-        if share is None:  # per-rank inputs: this rank's rows are all of them
+        if share is None:
             return inputs, kwargs, record
         values = list(flat)
         if not cut_into(values, skeleton.tensors, self.batch[1], share.start, share.stop - share.start):

@@ -1,0 +1,29 @@
+// What the fast entry points (python_many.cpp, python_kept.cpp) count as a plain tensor to plan and cut.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace dpfast {
+
+inline bool dense(const at::Tensor& t) {
+  return t.defined() && t.layout() == at::kStrided && !t.is_nested() && !t.is_quantized();
+}
+
+// Whether dpfast/move/scatter.py's memory_order may take `t` for channels_last (then Python moves it, through its
+// NHWC view): any 4-d or 5-d tensor contiguous in that format, also one contiguous in both (its strides decide).
+inline bool maybe_channels_last(const at::Tensor& t) {
+  const int64_t nd = t.dim();
+  const auto format = nd == 4 ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::ChannelsLast3d;
+  return (nd == 4 || nd == 5) && t.is_contiguous(format);
+}
+
+// Tensor `t` cut to rows [start, start + length) along `axis`, as dpfast/distributed/sharding.py's _narrowed does:
+// a view along axis 0, else a contiguous copy (through the dispatcher: autograd and dispatch modes see each op).
+inline at::Tensor narrowed(const at::Tensor& t, int64_t axis, int64_t start, int64_t length) {
+  at::Tensor v = t.narrow(axis, start, length);
+  return axis == 0 ? v : v.contiguous();
+}
+
+}  // namespace dpfast

@@ -2,8 +2,9 @@
 loading's balance.
 
 **Step time.** Two CPU processes (gloo on loopback, one intra-op thread each), a 64-128-10 MLP at ``B = 64`` (32
-rows per rank); one training step = zero_grad, forward, cross-entropy, backward. Variants, timed in interleaved
-rounds inside the ranks (a barrier before each variant), ratios per round, medians:
+rows per rank); one training step = zero_grad, forward, cross-entropy, backward. Variants, timed inside the
+ranks taking turns step by step, in an order drawn anew every step, each step timed; a variant's figure is the
+median of all its steps, and a ratio is of two such medians:
 
 * ``torch``: torch's DDP on this rank's 32 rows (and ``torch (again)``, the same step timed as another variant:
   its ratio to ``torch`` is the measurement's noise floor);
@@ -37,6 +38,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import random
 import socket
 import statistics
 import tempfile
@@ -182,7 +184,16 @@ MANY_RATIOS = [
 
 
 def _timed(variants: dict, budget_s: float, rounds: int) -> dict:
-    """Seconds per step of every variant in every round, the same iterations on every rank (rank 0 decides)."""
+    """Seconds of every step of every variant (``rounds`` times as many steps as fit in ``budget_s`` / ``rounds``),
+    the same steps on every rank (rank 0 decides how many).
+
+    The variants take turns step by step, in an order drawn anew for every step (the same on every rank: their
+    collectives must match), each step timed alone; a variant's figure is the median of all its steps
+    (:func:`_ratio`). A loopback round trip's latency drifts over seconds, and variants timed in blocks of their
+    own steps caught different stretches of it; in a fixed order each variant follows the same one every time, and
+    a step right after one of the same model runs faster; the medians of a round's few dozen steps jump between the
+    modes of the round trip's latency; and a barrier before each block made the ranks' first steps after it wait
+    on each other unlike the rest (benchmarks/RESULTS.md)."""
     for fn in variants.values():
         for _ in range(5):
             fn()
@@ -194,16 +205,22 @@ def _timed(variants: dict, budget_s: float, rounds: int) -> dict:
         probe.append((time.perf_counter() - t) / 3)
     iters = [max(3, int(budget_s / rounds / len(variants) / max(probe)))]
     dist.broadcast_object_list(iters, 0)
-    names = list(variants)
+    names, clock = list(variants), time.perf_counter_ns
     samples: dict = {k: [] for k in names}
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            dist.barrier()
-            t = time.perf_counter()
-            for _ in range(iters[0]):
-                variants[name]()
-            samples[name].append((time.perf_counter() - t) / iters[0])
+    dist.barrier()
+    for i in range(rounds * iters[0]):
+        order = list(names)
+        random.Random(i).shuffle(order)
+        for name in order:
+            t = clock()
+            variants[name]()
+            samples[name].append((clock() - t) / 1e9)
     return samples
+
+
+def _ratio(samples: dict, a: str, b: str) -> float:
+    """Variant ``a``'s median step over ``b``'s (every step, timed in turns: :func:`_timed`)."""
+    return statistics.median(samples[a]) / statistics.median(samples[b])
 
 
 def _counting(calls: list, name: str, fn):
@@ -287,7 +304,7 @@ def run_one_rank(budget_s: float, rounds: int) -> dict:
     samples = _spawned(1, budget_s, rounds, 0)["samples"]
     return {
         "seconds": {k: statistics.median(v) for k, v in samples.items()},
-        "ratios": {f"{a}/{b}": statistics.median(p / q for p, q in zip(samples[a], samples[b])) for a, b in RATIOS},
+        "ratios": {f"{a}/{b}": _ratio(samples, a, b) for a, b in RATIOS},
     }
 
 
@@ -302,7 +319,7 @@ def run_steps(budget_s: float, rounds: int, tiny: int = TINY) -> dict:
     raw = _spawned(WORLD, budget_s, rounds, tiny)
     samples = raw["samples"]
     times = {k: statistics.median(v) for k, v in samples.items()}
-    ratios = {f"{a}/{b}": statistics.median(p / q for p, q in zip(samples[a], samples[b])) for a, b in RATIOS}
+    ratios = {f"{a}/{b}": _ratio(samples, a, b) for a, b in RATIOS}
     many = raw["many"]
     return {
         "seconds": times,
@@ -312,7 +329,7 @@ def run_steps(budget_s: float, rounds: int, tiny: int = TINY) -> dict:
         "many tensors": {
             "tensors": tiny,
             "seconds": {k: statistics.median(v) for k, v in many.items()},
-            **{f"{a}/{b}": statistics.median(p / q for p, q in zip(many[a], many[b])) for a, b in MANY_RATIOS},
+            **{f"{a}/{b}": _ratio(many, a, b) for a, b in MANY_RATIOS},
         },
     }
 
@@ -328,7 +345,7 @@ def print_ddp(result: dict) -> None:
     s = result["steps"]
     print(
         f"\nDistributedDataParallel training step: {WORLD} gloo ranks on this machine, 1 intra-op thread each, a "
-        f"64-128-10 MLP at B = {BATCH}; {s['rounds']} interleaved rounds, medians"
+        f"64-128-10 MLP at B = {BATCH}; the variants' steps in turns, in a fresh order every step, medians"
     )
     print(f"{'variant':<24} {'ms / step':>10}  collectives per step")
     for name, sec in s["seconds"].items():

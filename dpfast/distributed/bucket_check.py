@@ -108,14 +108,19 @@ class BucketCheck:
             full = self._buffers[(n, dtype, device)] = torch.empty(n + g.world * k, dtype=dtype, device=device)
         full[n:].zero_()
         at = n + g.rank * k
-        full[at : at + k] = self._encoded(tuple(self.row()), bits, dtype)
+        full[at : at + k] = self._encoded(tuple(self.row()), bits, dtype, device)
         return full
 
-    def _encoded(self, row: tuple, bits: int, dtype: torch.dtype) -> torch.Tensor:
-        """This rank's row as a tensor; the same row (the same batch structure) step after step is made once."""
-        key = (row, bits, dtype)
+    def _encoded(self, row: tuple, bits: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """This rank's row as a tensor on the bucket's device; the same row (the same batch structure) step after
+        step is made once. Onto a GPU it is copied from pinned memory, asynchronously: a copy from pageable memory
+        would synchronize the host with the GPU's stream in every backward (torch's blocking copy waits for it)."""
+        key = (row, bits, dtype, device)
         if self._last_row is None or self._last_row[0] != key:
-            self._last_row = (key, torch.tensor(encode_row(row, bits), dtype=dtype))
+            host = torch.tensor(encode_row(row, bits), dtype=dtype)
+            if device.type == "cuda":
+                host = host.pin_memory()  # (torch's caching host allocator keeps it until the copy has run)
+            self._last_row = (key, host.to(device, non_blocking=True))
         return self._last_row[1]
 
     def _beside_user_hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

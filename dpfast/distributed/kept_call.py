@@ -26,7 +26,7 @@ from .. import ops
 from ..plan.call_plan import CallPlan
 from ..trees.binding import Binding, BoundArguments
 from .agreement import OK, StepRecord
-from .sharding import Share, cut_into
+from .sharding import Share
 
 
 class KeptCall:
@@ -81,16 +81,11 @@ class KeptCall:
             flat = None if tree is None else tree.flat
         if flat is None:
             return None
-        tensors = skeleton.tensor_values(flat)
-        share, (_, axes, index) = self.share, self.batch
-        if share is None:  # per-rank inputs: this rank's rows are all of them, passed as given
-            cut = ops._kept_cut(tensors, self.facts, axes, index, 0, -1)
-        else:
-            cut = ops._kept_cut(tensors, self.facts, axes, index, share.start, share.stop - share.start)
-        if cut is None:  # it reads otherwise (or the extension cannot tell): read it in full
-            return self._take_read(skeleton, tensors, flat, tree, inputs, kwargs)
+        cut = self._cut(skeleton.tensor_values(flat), skeleton.specs)
+        if cut is None:
+            return None
         record = None if self.items is None else StepRecord(OK, None, self.items, self.fp)
-        if share is None:
+        if cut is True:  # per-rank inputs: this rank's rows are all of them, passed as given
             return inputs, kwargs, record
         if len(cut) == len(flat):  # every leaf a tensor
             values = cut
@@ -101,24 +96,20 @@ class KeptCall:
         args, kw = skeleton.rebuild_flat(values) if tree is None else tree.rebuild(values)
         return args, kw, record
 
-    def _take_read(
-        self, skeleton: Any, tensors: Sequence[Any], flat: Sequence[Any], tree: Any, inputs: tuple, kwargs: dict
-    ) -> tuple[tuple, dict, StepRecord | None] | None:
-        """:meth:`take` by reading the call's tensors in full, where the one-call check declined."""
-        read = _read(tensors, skeleton.specs)
+    def _cut(self, tensors: Sequence[Any], specs: list) -> list | bool | None:
+        """A call's tensors, when they read as the kept call's: cut to this rank's rows (True for per-rank inputs,
+        passed as given); None when they read otherwise (or cannot be cut), and the call is planned in full."""
+        share, (_, axes, index) = self.share, self.batch
+        start, length = (0, -1) if share is None else (share.start, share.stop - share.start)
+        cut = ops._kept_cut(tensors, self.facts, axes, index, start, length)
+        if cut is not None:
+            return cut
+        read = _read(tensors, specs)  # the one-call check declined (or there is no extension): read in full
         if read != (self.batch, self.facts):
             # planning reads this call along the same skeleton next: what was read here need not be read again
             self.declined = read
             return None
-        record = None if self.items is None else StepRecord(OK, None, self.items, self.fp)
-        share = self.share
-        if share is None:
-            return inputs, kwargs, record
-        values = list(flat)
-        if not cut_into(values, skeleton.tensors, self.batch[1], share.start, share.stop - share.start):
-            return None
-        args, kw = skeleton.rebuild_flat(values) if tree is None else tree.rebuild(values)
-        return args, kw, record
+        return True if share is None else ops._narrow_many(tensors, axes, start, length)
 
 
 def _read(tensors: Sequence[Any], specs: list) -> tuple[tuple, tuple] | None:

@@ -192,7 +192,7 @@ class GatheredOutputs:
                     [n * item for n in in_splits],
                     group=g.process_group,
                 )
-                summed = recv.view(world, mine).sum(0)
+                summed = recv if world == 1 else recv.view(world, mine).sum(0)
             else:
                 summed = torch.zeros(0, dtype=dtype, device=g.comm_device)
             o = 0
@@ -214,7 +214,10 @@ class GatheredOutputs:
                 sends[j].append(piece)
             own.append(pieces[g.rank].numel())
         in_splits = [sum(p.numel() for p in per) for per in sends]
-        return torch.cat([p.to(g.comm_device) for per in sends for p in per]), in_splits, own
+        pieces = [p for per in sends for p in per]
+        if any(self.layout.devices[i] != g.comm_device for i in idx):
+            pieces = [p.to(g.comm_device) for p in pieces]
+        return (pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces)), in_splits, own
 
     def _rows(self, i: int) -> list[int]:
         """Every rank's rows of "cat" tensor ``i`` (0 for a rank whose outputs do not count)."""
@@ -254,7 +257,9 @@ class GatheredOutputs:
         axis = lay.axes[i]
         if n_rows != shape[axis]:  # a rank whose outputs do not count (a ghost, or not rank 0 when nothing split)
             return torch.zeros(shape, dtype=dtype, device=device)
-        return summed.view((n_rows, *row_shape(shape, axis))).movedim(0, axis).to(device)
+        mine = summed.view((n_rows, *row_shape(shape, axis)))
+        mine = mine.movedim(0, axis) if axis else mine
+        return mine if device == self.group.comm_device else mine.to(device)
 
 
 def _in_format(t: Tensor, memory_format: torch.memory_format | None) -> Tensor:

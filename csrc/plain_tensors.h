@@ -19,11 +19,4 @@ inline bool maybe_channels_last(const at::Tensor& t) {
   return (nd == 4 || nd == 5) && t.is_contiguous(format);
 }
 
-// Tensor `t` cut to rows [start, start + length) along `axis`, as dpfast/distributed/sharding.py's _narrowed does:
-// a view along axis 0, else a contiguous copy (through the dispatcher: autograd and dispatch modes see each op).
-inline at::Tensor narrowed(const at::Tensor& t, int64_t axis, int64_t start, int64_t length) {
-  at::Tensor v = t.narrow(axis, start, length);
-  return axis == 0 ? v : v.contiguous();
-}
-
 }  // namespace dpfast

@@ -11,6 +11,7 @@
 #include "python_kept.h"
 
 #include "plain_tensors.h"
+#include "python_many.h"
 #include "python_args.h"
 #include "python_fast.h"
 
@@ -18,7 +19,6 @@
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
-#include <torch/csrc/utils/object_ptr.h>
 
 #include <vector>
 
@@ -81,20 +81,7 @@ PyObject* py_kept_cut(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   if (k != n_facts) Py_RETURN_NONE;
   if (length < 0) Py_RETURN_TRUE;
-  {
-    ReleaseGil nogil;
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      if (axes[i] != -1) tensors[i] = narrowed(tensors[i], axes[i], start, length);
-    }
-  }
-  THPObjectPtr list(PyList_New(n));  // (freed if a wrap fails or throws)
-  if (!list) return nullptr;
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* t = THPVariable_Wrap(std::move(tensors[static_cast<size_t>(i)]));  // an uncut one: its own object
-    if (t == nullptr) return nullptr;
-    PyList_SET_ITEM(list.get(), i, t);
-  }
-  return list.release();
+  return cut_to_list(tensors, axes, start, length);  // (python_many.cpp: cut as _narrow_many cuts)
   END_HANDLE_TH_ERRORS
 }
 

@@ -231,6 +231,13 @@ PyObject* py_plain_batch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
+// Tensor `t` cut to rows [start, start + length) along `axis`, as dpfast/distributed/sharding.py's _narrowed does:
+// a view along axis 0, else a contiguous copy (through the dispatcher: autograd and dispatch modes see each op).
+at::Tensor narrowed(const at::Tensor& t, int64_t axis, int64_t start, int64_t length) {
+  at::Tensor v = t.narrow(axis, start, length);
+  return axis == 0 ? v : v.contiguous();
+}
+
 // _narrow_many(tensors, axes, start, length) -> list | NotImplemented
 //   tensors: a call's tensor leaves; axes: per tensor, the axis to cut (counted from the front), or -1 to pass it
 //   as it is. Every tensor with an axis cut to rows [start, start + length) there (see narrowed above), the others
@@ -264,20 +271,7 @@ PyObject* py_narrow_many(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       return not_implemented();
     }
   }
-  {
-    ReleaseGil nogil;
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      if (axes[i] != -1) tensors[i] = narrowed(tensors[i], axes[i], start, length);
-    }
-  }
-  THPObjectPtr list(PyList_New(n));  // (freed if a wrap fails or throws)
-  if (!list) return nullptr;
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* t = THPVariable_Wrap(std::move(tensors[static_cast<size_t>(i)]));  // an uncut one: its own object
-    if (t == nullptr) return nullptr;
-    PyList_SET_ITEM(list.get(), i, t);
-  }
-  return list.release();
+  return cut_to_list(tensors, axes, start, length);
   END_HANDLE_TH_ERRORS
 }
 
@@ -343,5 +337,24 @@ PyMethodDef methods[] = {
 }  // namespace
 
 PyMethodDef* python_many_methods() { return methods; }
+
+PyObject* cut_to_list(std::vector<at::Tensor>& tensors, const std::vector<int64_t>& axes, int64_t start,
+                      int64_t length) {
+  {
+    ReleaseGil nogil;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (axes[i] != -1) tensors[i] = narrowed(tensors[i], axes[i], start, length);
+    }
+  }
+  const auto n = static_cast<Py_ssize_t>(tensors.size());
+  THPObjectPtr list(PyList_New(n));  // (freed if a wrap fails or throws)
+  if (!list) return nullptr;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* t = THPVariable_Wrap(std::move(tensors[static_cast<size_t>(i)]));  // an uncut one: its own object
+    if (t == nullptr) return nullptr;
+    PyList_SET_ITEM(list.get(), i, t);
+  }
+  return list.release();
+}
 
 }  // namespace dpfast

@@ -2,6 +2,11 @@
 keeps step with the others (:mod:`dpfast.distributed.keeping_step` says how), and DDP's buffer broadcast takes
 the buffers of a rank that had rows.
 
+:meth:`KeepingStepOverrides._ddp_forward` runs torch's forward steps (pre-forward, the module, post-forward) as
+torch's ``forward`` runs them, without its profiler label (``record_function("DistributedDataParallel.forward")``:
+two calls through ``torch.ops`` on every forward) unless a profiler is recording. Only when torch's ``forward``
+calls exactly those steps (read from its code at import); otherwise torch's ``forward`` runs.
+
 :class:`KeepingStepOverrides` is a mixin of :class:`~dpfast.distributed.module.DistributedDataParallel`, placed
 before torch's class so that ``super()`` reaches torch's methods; it uses the wrapper's ``_call``, ``_checks``,
 ``_bucket_check``, ``_gather`` and ``_exchange_sizes``.
@@ -13,9 +18,31 @@ import contextlib
 from typing import Any
 
 import torch
+from torch import nn
+from torch.autograd import profiler
 
 from .agreement import EMPTY_REFUSED, GHOST_COUNTED, DistributedBatchError, StepRecord
 from .keeping_step import replay, run_empty_share
+
+# the names torch's DistributedDataParallel.forward uses: the steps _ddp_forward copies, and the label
+_TORCH_FORWARD_NAMES = (
+    "torch",
+    "autograd",
+    "profiler",
+    "record_function",
+    "_pre_forward",
+    "_delay_all_reduce_all_params",
+    "module",
+    "forward",
+    "_run_ddp_forward",
+    "_post_forward",
+)
+_PROFILER_ON = getattr(torch._C._autograd, "_profiler_enabled", None)  # in this thread (Kineto or legacy)
+_TORCH_FORWARD_COPIED = (
+    nn.parallel.DistributedDataParallel.forward.__code__.co_names == _TORCH_FORWARD_NAMES
+    and _PROFILER_ON is not None
+    and hasattr(profiler, "_is_profiler_enabled")  # any profiler (one in another thread too)
+)
 
 
 class _ShareRefused(Exception):
@@ -60,6 +87,15 @@ class KeepingStepOverrides:
             f"dpfast.DistributedDataParallel: rank {self._rank} cannot run its part of this step "
             f"({record.error_line()}); under no_sync() the other ranks raise at the next synchronized backward"
         ) from record.error
+
+    def _ddp_forward(self, args: tuple, kwargs: dict) -> Any:
+        """torch's DDP ``forward`` on this rank's share: its profiler label only while a profiler records."""
+        if not _TORCH_FORWARD_COPIED or profiler._is_profiler_enabled or _PROFILER_ON():  # type: ignore[misc]
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+        args, kwargs = self._pre_forward(*args, **kwargs)
+        if self._delay_all_reduce_all_params:
+            return self._post_forward(self.module.forward(*args, **kwargs))
+        return self._post_forward(self._run_ddp_forward(*args, **kwargs))
 
     def _run_ddp_forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Inside torch's DDP forward (between its pre- and post-forward): a rank without rows runs its empty

@@ -267,7 +267,7 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
         self._call.ghost_error = None
         try:
             with log:
-                outputs = super().forward(*args, **kw)
+                outputs = self._ddp_forward(args, kw)
         except _ShareRefused as refused:
             record.fail(EMPTY_REFUSED, refused.error)
             return self._keep_step(record, ran_forward=True)

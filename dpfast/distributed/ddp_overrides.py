@@ -37,6 +37,7 @@ _TORCH_FORWARD_NAMES = (
     "_run_ddp_forward",
     "_post_forward",
 )
+_compiling = torch.compiler.is_compiling  # dynamo traces torch's forward as it knows it
 _PROFILER_ON = getattr(torch._C._autograd, "_profiler_enabled", None)  # in this thread (Kineto or legacy)
 _TORCH_FORWARD_COPIED = (
     nn.parallel.DistributedDataParallel.forward.__code__.co_names == _TORCH_FORWARD_NAMES
@@ -89,8 +90,9 @@ class KeepingStepOverrides:
         ) from record.error
 
     def _ddp_forward(self, args: tuple, kwargs: dict) -> Any:
-        """torch's DDP ``forward`` on this rank's share: its profiler label only while a profiler records."""
-        if not _TORCH_FORWARD_COPIED or profiler._is_profiler_enabled or _PROFILER_ON():  # type: ignore[misc]
+        """torch's DDP ``forward`` on this rank's share: its profiler label only while a profiler records (torch's
+        own ``forward`` then, and under ``torch.compile``)."""
+        if not _TORCH_FORWARD_COPIED or profiler._is_profiler_enabled or _PROFILER_ON() or _compiling():
             return super().forward(*args, **kwargs)  # type: ignore[misc]
         args, kwargs = self._pre_forward(*args, **kwargs)
         if self._delay_all_reduce_all_params:

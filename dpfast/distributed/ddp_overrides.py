@@ -4,8 +4,9 @@ the buffers of a rank that had rows.
 
 :meth:`KeepingStepOverrides._ddp_forward` runs torch's forward steps (pre-forward, the module, post-forward) as
 torch's ``forward`` runs them, without its profiler label (``record_function("DistributedDataParallel.forward")``:
-two calls through ``torch.ops`` on every forward) unless a profiler is recording. Only when torch's ``forward``
-calls exactly those steps (read from its code at import); otherwise torch's ``forward`` runs.
+two calls through ``torch.ops`` on every forward) unless a profiler is recording. It does so only where torch's
+``forward`` uses exactly the names of those steps (read from its code at import, a check that cannot see steps
+reordered: ``tests/test_distributed_ddp_forward.py`` compares the code itself); otherwise torch's ``forward`` runs.
 
 :class:`KeepingStepOverrides` is a mixin of :class:`~dpfast.distributed.module.DistributedDataParallel`, placed
 before torch's class so that ``super()`` reaches torch's methods; it uses the wrapper's ``_call``, ``_checks``,
@@ -37,12 +38,14 @@ _TORCH_FORWARD_NAMES = (
     "_run_ddp_forward",
     "_post_forward",
 )
-_compiling = torch.compiler.is_compiling  # dynamo traces torch's forward as it knows it
-_PROFILER_ON = getattr(torch._C._autograd, "_profiler_enabled", None)  # in this thread (Kineto or legacy)
+# compiled code takes torch's forward, which dynamo and its DDP optimizer know (and the profiler checks below are
+# calls dynamo cannot trace)
+_compiling = torch.compiler.is_compiling
+_profiler_on = getattr(torch._C._autograd, "_profiler_enabled", None)  # a profiler recording this thread
 _TORCH_FORWARD_COPIED = (
     nn.parallel.DistributedDataParallel.forward.__code__.co_names == _TORCH_FORWARD_NAMES
-    and _PROFILER_ON is not None
-    and hasattr(profiler, "_is_profiler_enabled")  # any profiler (one in another thread too)
+    and _profiler_on is not None
+    and hasattr(profiler, "_is_profiler_enabled")  # set by any torch.autograd.profiler.profile: a second check
 )
 
 
@@ -92,7 +95,7 @@ class KeepingStepOverrides:
     def _ddp_forward(self, args: tuple, kwargs: dict) -> Any:
         """torch's DDP ``forward`` on this rank's share: its profiler label only while a profiler records (torch's
         own ``forward`` then, and under ``torch.compile``)."""
-        if not _TORCH_FORWARD_COPIED or profiler._is_profiler_enabled or _PROFILER_ON() or _compiling():
+        if not _TORCH_FORWARD_COPIED or _compiling() or profiler._is_profiler_enabled or _profiler_on():
             return super().forward(*args, **kwargs)  # type: ignore[misc]
         args, kwargs = self._pre_forward(*args, **kwargs)
         if self._delay_all_reduce_all_params:

@@ -17,17 +17,56 @@ def _check(rank: int, world: int, row: list[int]) -> BucketCheck:
 
 
 def test_the_row_is_made_on_the_buckets_device_once_per_row():
-    """The encoded row lives where the bucket does (here the meta device stands in for a GPU: a row kept on the
-    host would be copied into a GPU bucket in every backward, a blocking copy), and is made anew only for
-    another row, dtype or device."""
+    """The table with this rank's row alone lives where the bucket does (here the meta device stands in for a GPU:
+    a row kept on the host would be copied into a GPU bucket in every backward, a blocking copy), and is made anew
+    only for another row, dtype or device."""
     check = _check(1, 3, [0, 12345, 1])
     meta, cpu = torch.device("meta"), torch.device("cpu")
-    first = check._encoded((0, 12345, 1), 16, torch.float32, meta)
-    assert first.device == meta and first.dtype == torch.float32 and first.shape == (6,)
-    assert check._encoded((0, 12345, 1), 16, torch.float32, meta) is first
-    assert check._encoded((0, 12346, 1), 16, torch.float32, meta) is not first
-    on_cpu = check._encoded((0, 12345, 1), 8, torch.bfloat16, cpu)
-    assert on_cpu.device == cpu and on_cpu.tolist() == encode_row((0, 12345, 1), 8)
+    first = check._alone((0, 12345, 1), 16, torch.float32, meta)
+    assert first.device == meta and first.dtype == torch.float32 and first.shape == (3 * 6,)
+    assert check._alone((0, 12345, 1), 16, torch.float32, meta) is first
+    assert check._alone((0, 12346, 1), 16, torch.float32, meta) is not first
+    on_cpu = check._alone((0, 12345, 1), 8, torch.bfloat16, cpu)
+    k = 2 + 64 // 8
+    assert on_cpu.device == cpu and on_cpu.tolist() == [0] * k + encode_row((0, 12345, 1), 8) + [0] * k
+
+
+def _reading(rank, world, row):
+    """A check whose verify and agreed calls are recorded, and the table its ``row`` alone makes."""
+    calls: list = []
+    group = RankGroup(None, rank, world, torch.device("cpu"))
+    check = BucketCheck(group, lambda: row, lambda rows: calls.append(("verify", rows)), lambda: calls.append("ok"))
+    return check, calls
+
+
+def _summed(rows, bits=16):
+    """The all-reduced table of these ranks' rows."""
+    return torch.tensor([v for r in rows for v in encode_row(r, bits)], dtype=torch.float32)
+
+
+def test_a_table_of_every_rank_agreeing_is_taken_without_decoding():
+    """Every rank sent this rank's OK row: ``agreed()``, the outcome ``verify`` would reach, with one comparison."""
+    row = [0, -(2**63) + 7, 2]
+    check, calls = _reading(1, 3, row)
+    check._table(4, torch.float32, torch.device("cpu"), 16)
+    check._check(_summed([row] * 3), 16, check._agreeing())
+    assert calls == ["ok"]
+
+
+def test_a_table_that_differs_anywhere_is_decoded_for_verify():
+    """Another rank's row differing in any value, or this rank's own row not OK: every row goes to ``verify``."""
+    row = [0, 12345, 2]
+    for other in ([0, 12346, 2], [0, 12345, 3], [2, 12345, 2]):
+        check, calls = _reading(0, 2, row)
+        check._table(4, torch.float32, torch.device("cpu"), 16)
+        check._check(_summed([row, other]), 16, check._agreeing())
+        assert calls == [("verify", [row, other])]
+    failed = [2, 12345, 2]  # this rank's own status is not OK, as every other rank's
+    check, calls = _reading(0, 2, failed)
+    check._table(4, torch.float32, torch.device("cpu"), 16)
+    assert check._agreeing() is None
+    check._check(_summed([failed, failed]), 16, check._agreeing())
+    assert calls == [("verify", [failed, failed])]
 
 
 class _HostCopies(TorchDispatchMode):

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..ext.loader import C as _C
+from .agreement import OK
 from .exchanges import RankGroup
 
 _MASK64 = (1 << 64) - 1
@@ -68,17 +69,25 @@ class BucketCheck:
     rank when they disagree)."""
 
     def __init__(
-        self, group: RankGroup, row: Callable[[], list[int]], verify: Callable[[list[list[int]]], None]
+        self,
+        group: RankGroup,
+        row: Callable[[], list[int]],
+        verify: Callable[[list[list[int]]], None],
+        agreed: Callable[[], None] | None = None,
     ) -> None:
         self.group = group
         self.row = row
         self.verify = verify
+        self.agreed = agreed  # every rank's row is this rank's, which says OK: verify's outcome, without decoding
         self.user_hook: tuple[Any, Callable] | None = None
-        # (all-reduced buffer, table offset, bits, work to wait for or None)
-        self._pending: tuple[torch.Tensor, int, int, Any] | None = None
-        self._deferred: tuple[torch.Tensor, Any, int] | None = None  # CUDA: (pinned table, event, bits)
-        self._buffers: dict[tuple, torch.Tensor] = {}
-        self._last_row: tuple | None = None
+        # (all-reduced buffer, table offset, bits, work to wait for or None, the table if every rank agrees)
+        self._pending: tuple[torch.Tensor, int, int, Any, torch.Tensor | None] | None = None
+        # CUDA: (pinned table, event, bits, the table if every rank agrees)
+        self._deferred: tuple[torch.Tensor, Any, int, torch.Tensor | None] | None = None
+        self._buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # -> (buffer, its table's view)
+        # (row, bits, dtype, device) -> the table with this rank's row alone, on the device; and on the host, the
+        # table every rank agreeing on an OK row sums to (None unless this rank's row says OK)
+        self._last_row: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
 
     def hook(self, state, bucket):  # unannotated: DDP checks annotations, and these would be strings here
         """The comm hook: the first bucket carries the table; the others are DDP's default (or the user's)."""
@@ -95,7 +104,7 @@ class BucketCheck:
         full = self._table(n, buf.dtype, buf.device, bits)
         torch.mul(buf, 1.0 / self.group.world, out=full[:n])  # as DDP's reducer: times 1 / W, then sum
         fut = dist.all_reduce(full, group=self.group.process_group, async_op=True).get_future()
-        self._pending = (full, n, bits, None)  # the reducer waits for fut before the read
+        self._pending = (full, n, bits, None, self._agreeing())  # the reducer waits for fut before the read
         self._read_after_backward()
         return fut.then(lambda f: f.value()[0][:n])
 
@@ -103,25 +112,34 @@ class BucketCheck:
         """``n`` elements for the gradients, then the table with this rank's row filled in. The buffer is kept
         for the next step: DDP copies the gradients out, and the table is read, before the next backward."""
         g, k = self.group, _row_width(bits)
-        full = self._buffers.get((n, dtype, device))
-        if full is None:
-            full = self._buffers[(n, dtype, device)] = torch.empty(n + g.world * k, dtype=dtype, device=device)
-        full[n:].zero_()
-        at = n + g.rank * k
-        full[at : at + k] = self._encoded(tuple(self.row()), bits, dtype, device)
+        kept = self._buffers.get((n, dtype, device))
+        if kept is None:
+            full = torch.empty(n + g.world * k, dtype=dtype, device=device)
+            kept = self._buffers[(n, dtype, device)] = (full, full[n:])
+        full, table = kept
+        table.copy_(self._alone(tuple(self.row()), bits, dtype, device))  # one copy: the row and the others' zeros
         return full
 
-    def _encoded(self, row: tuple, bits: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """This rank's row as a tensor on the bucket's device; the same row (the same batch structure) step after
-        step is made once. Onto a GPU it is copied from pinned memory, asynchronously: a copy from pageable memory
-        would synchronize the host with the GPU's stream in every backward (torch's blocking copy waits for it)."""
+    def _alone(self, row: tuple, bits: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The table with this rank's row alone, on the bucket's device; the same row (the same batch structure)
+        step after step is made once. Onto a GPU it is copied from pinned memory, asynchronously: a copy from
+        pageable memory would synchronize the host with the GPU's stream in every backward (torch's blocking copy
+        waits for it)."""
         key = (row, bits, dtype, device)
         if self._last_row is None or self._last_row[0] != key:
-            host = torch.tensor(encode_row(row, bits), dtype=dtype)
+            g, k = self.group, _row_width(bits)
+            encoded = torch.tensor(encode_row(row, bits), dtype=dtype)
+            host = torch.zeros(g.world * k, dtype=dtype)
+            host[g.rank * k : (g.rank + 1) * k] = encoded
+            agreeing = encoded.repeat(g.world) if row[0] == OK else None
             if device.type == "cuda":
                 host = host.pin_memory()  # (torch's caching host allocator keeps it until the copy has run)
-            self._last_row = (key, host.to(device, non_blocking=True))
+            self._last_row = (key, host.to(device, non_blocking=True), agreeing)
         return self._last_row[1]
+
+    def _agreeing(self) -> torch.Tensor | None:
+        """The table every rank's sum holds when each sent this rank's row (None when it does not say OK)."""
+        return None if self._last_row is None else self._last_row[2]
 
     def _beside_user_hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         state, hook = self.user_hook  # type: ignore[misc]
@@ -129,7 +147,7 @@ class BucketCheck:
         bits = _piece_bits(buf.dtype)
         table = self._table(0, buf.dtype, buf.device, bits)
         work = dist.all_reduce(table, group=self.group.process_group, async_op=True)
-        self._pending = (table, 0, bits, work)
+        self._pending = (table, 0, bits, work, self._agreeing())
         self._read_after_backward()
         return hook(state, bucket)
 
@@ -145,7 +163,7 @@ class BucketCheck:
         forward). A no-op when none is pending."""
         if self._pending is None:
             return
-        full, n, bits, work = self._pending
+        full, n, bits, work, agreeing = self._pending
         self._pending = None
         if work is not None:
             work.wait()
@@ -155,18 +173,26 @@ class BucketCheck:
             host.copy_(table, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            self._deferred = (host, event, bits)
+            self._deferred = (host, event, bits, agreeing)
             return
-        self.verify(decode_table(table.tolist(), bits, self.group.world))
+        self._check(table, bits, agreeing)
 
     def read_deferred(self) -> None:
         """CUDA: check the table the last backward copied to the host (its copy has long finished)."""
         if self._deferred is None:
             return
-        host, event, bits = self._deferred
+        host, event, bits, agreeing = self._deferred
         self._deferred = None
         event.synchronize()
-        self.verify(decode_table(host.tolist(), bits, self.group.world))
+        self._check(host, bits, agreeing)
+
+    def _check(self, table: torch.Tensor, bits: int, agreeing: torch.Tensor | None) -> None:
+        """Every rank's row of an all-reduced table (on the host): ``agreed()`` when each is this rank's OK row
+        (one comparison), else every row decoded for ``verify``."""
+        if agreeing is not None and self.agreed is not None and torch.equal(table, agreeing):
+            self.agreed()
+        else:
+            self.verify(decode_table(table.tolist(), bits, self.group.world))
 
     def set_user_hook(self, state: object, hook: Callable) -> None:
         """The user's ``hook(state, bucket)`` communicates every bucket from now on (once: torch allows one)."""
@@ -198,7 +224,7 @@ class NativeBucketCheck:
         verify: Callable[[list[list[int]]], None],
         agreed: Callable[[], None],
     ) -> None:
-        self._python = BucketCheck(group, row, verify)
+        self._python = BucketCheck(group, row, verify, agreed)
         # the callables reach neither this object nor the wrapper: the hook's state holds them, and no cycle
         # runs through it (a capsule is invisible to the garbage collector)
         on_table = functools.partial(_on_table, group.world, verify, agreed)

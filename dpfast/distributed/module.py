@@ -167,7 +167,7 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
             if not getattr(self, "_use_python_reducer", False) and native_hook_available(self.module, self._group):
                 self._bucket_check = NativeBucketCheck(self.reducer, self._group, c.row, c.verify, c.agreed)
             else:
-                self._bucket_check = BucketCheck(self._group, c.row, c.verify)
+                self._bucket_check = BucketCheck(self._group, c.row, c.verify, c.agreed)
                 super().register_comm_hook(None, self._bucket_check.hook)
         self._call = _CallState()
         self._kept = KeptCalls()  # the last call's plan, record and share, for a call like it

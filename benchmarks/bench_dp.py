@@ -18,12 +18,14 @@ One step = zero the grads, one RRN call ``model(x, x, (h0, c0))``, cross-entropy
 More sections: the fixed cost per extra replica (``--section replicas``, benchmarks/dp_replicas.py), balanced work
 with ``cost=`` (``--section balance``, benchmarks/dp_balance.py), per-leaf and per-call overhead against the same
 work written by hand (``--section overhead``, benchmarks/dp_overhead.py) and ``DistributedDataParallel`` on two gloo
-ranks against torch's DDP, with per-rank loading's balance (``--section ddp``, benchmarks/dp_distributed.py).
+ranks against torch's DDP, with per-rank loading's balance (``--section ddp``, benchmarks/dp_distributed.py). A
+diagnostic, run only when named: where a rehearsal's forward time goes, each piece timed inside the step and hot
+(``--section inside``, benchmarks/dp_inside_step.py).
 
 Prints tables, writes ``benchmarks/results/bench_dp.json`` and ``bench_dp.png`` (or ``--out DIR``).
 
-    python benchmarks/bench_dp.py [--device cpu|cuda] [--quick] [--section all|rrn|replicas|balance|overhead|ddp]
-        [--out DIR]
+    python benchmarks/bench_dp.py [--device cpu|cuda] [--quick]
+        [--section all|rrn|replicas|balance|overhead|ddp|inside] [--out DIR]
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ sys.path.insert(0, HERE)  # the sections' modules beside this file
 from _timing import measure, ratio  # noqa: E402
 from dp_balance import PACKED_HIDDEN, PACKED_IN, planning_time, plot_balance, print_balance, run_balance  # noqa: E402
 from dp_distributed import plot_ddp, print_ddp, run_ddp  # noqa: E402
+from dp_inside_step import print_inside, run_inside  # noqa: E402
 from dp_overhead import print_overhead, run_overhead  # noqa: E402
 from dp_replicas import print_replicas, run_replicas  # noqa: E402
 
@@ -308,10 +311,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer sizes and rounds (about 25 s on the CPU)")
     parser.add_argument(
         "--section",
-        choices=["all", "rrn", "replicas", "balance", "overhead", "ddp"],
+        choices=["all", "rrn", "replicas", "balance", "overhead", "ddp", "inside"],
         default="all",
         help="rrn: the seed-000 step; replicas: fixed cost per extra replica; balance: cost=; overhead: per leaf and "
-        "per call; ddp: DistributedDataParallel against torch's DDP on 2 gloo ranks",
+        "per call; ddp: DistributedDataParallel against torch's DDP on 2 gloo ranks; inside: where the rehearsal's "
+        "forward goes, each piece timed inside the step (a diagnostic, not in 'all')",
     )
     parser.add_argument("--out", default=os.path.join(HERE, "results"), help="directory for the JSON and PNG")
     args = parser.parse_args(argv)
@@ -324,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     budget, rounds = (1.8, 5) if args.quick else (7.0, 9)
     t0 = time.perf_counter()
     notes: list[str] = []
-    rows, replica_rows, balance_rows, planning, overhead, ddp = [], [], [], None, None, None
+    rows, replica_rows, balance_rows, planning, overhead, ddp, inside = [], [], [], None, None, None, None
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "bench_dp.json")
     if args.section in ("all", "rrn"):
@@ -353,6 +357,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.section in ("all", "ddp") and device.type == "cpu":  # NCCL would need a GPU per rank
         ddp = run_ddp(args.quick, budget, rounds)
         print_ddp(ddp)
+    if args.section == "inside" and device.type == "cpu":
+        inside = run_inside(sys.modules[__name__], args.quick)
+        print_inside(inside)
 
     result = {
         "benchmark": "bench_dp",
@@ -389,6 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "overhead": overhead,
         "ddp": ddp,
+        "inside": inside,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     _save(result, path)

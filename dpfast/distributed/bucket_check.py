@@ -65,7 +65,8 @@ def decode_table(values: Sequence[float], bits: int, world: int) -> list[list[in
 
 class BucketCheck:
     """The comm hook carrying the check rows (see the module docstring). ``row()`` gives this rank's row when the
-    first bucket is ready; ``verify(rows)`` gets every rank's rows once backward has ended (and raises on every
+    first bucket is ready; once backward has ended, ``agreed()`` is called when every rank sent this rank's row and
+    it says OK (one comparison of the table), else ``verify(rows)`` gets every rank's rows (and raises on every
     rank when they disagree)."""
 
     def __init__(

@@ -93,8 +93,8 @@ class KeepingStepOverrides:
         ) from record.error
 
     def _ddp_forward(self, args: tuple, kwargs: dict) -> Any:
-        """torch's DDP ``forward`` on this rank's share: its profiler label only while a profiler records (torch's
-        own ``forward`` then, and under ``torch.compile``)."""
+        """torch's DDP ``forward`` on this rank's share, entering its profiler label only while a profiler records
+        (torch's own ``forward`` runs then, under ``torch.compile``, and where its code is not the one copied)."""
         if not _TORCH_FORWARD_COPIED or _compiling() or profiler._is_profiler_enabled or _profiler_on():
             return super().forward(*args, **kwargs)  # type: ignore[misc]
         args, kwargs = self._pre_forward(*args, **kwargs)

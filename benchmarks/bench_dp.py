@@ -133,20 +133,26 @@ def make_step(net: Callable, params: Sequence[torch.Tensor], x, target, h, state
     return step
 
 
+def halves_forward(model: nn.Module, x, h) -> Callable[[], torch.Tensor]:
+    """The forward of :func:`halves_step`: the module on each half of the batch in turn, outputs concatenated."""
+    b = x.shape[0]
+    sizes = [b - b // 2, b // 2]
+    xs = torch.split(x, sizes)
+    hs = list(zip(*(torch.split(t, sizes, dim=1) for t in h)))
+    return lambda: torch.cat([model(xi, xi, hi)[0] for xi, hi in zip(xs, hs)])
+
+
 def halves_step(model: nn.Module, x, target, h):
     """The plain module called on the two halves of the batch in turn (outputs concatenated, one backward): what
     any 2-replica split costs on one interpreter before any data-parallel machinery, as small batches are bound by
     per-op overhead that two replicas pay twice."""
     params = list(model.parameters())
-    b = x.shape[0]
-    sizes = [b - b // 2, b // 2]
-    xs = torch.split(x, sizes)
-    hs = list(zip(*(torch.split(t, sizes, dim=1) for t in h)))
+    forward = halves_forward(model, x, h)
 
     def step():
         for p in params:
             p.grad = None
-        out = torch.cat([model(xi, xi, hi)[0] for xi, hi in zip(xs, hs)])
+        out = forward()
         loss = F.cross_entropy(out.reshape(-1, CLASSES), target.reshape(-1))
         loss.backward()
         return loss
@@ -178,11 +184,16 @@ def torch_parts_step(model: nn.Module, ids: list, x, target, h):
     return step
 
 
-def run_batch(batch: int, device: torch.device, budget_s: float, rounds: int, notes: list) -> dict:
+def batch_inputs(batch: int, device: torch.device) -> tuple:
+    """The step's ``x``, ``target`` and zero LSTM state ``(h0, c0)`` at ``batch`` (the same values every run)."""
     gen = torch.Generator().manual_seed(batch)
     x = torch.randn(batch, N_FACTS, HIDDEN, generator=gen).to(device)
     target = torch.randint(0, CLASSES, (batch, N_FACTS), generator=gen).to(device)
-    h = tuple(torch.zeros(1, batch, HIDDEN, device=device) for _ in range(2))
+    return x, target, tuple(torch.zeros(1, batch, HIDDEN, device=device) for _ in range(2))
+
+
+def run_batch(batch: int, device: torch.device, budget_s: float, rounds: int, notes: list) -> dict:
+    x, target, h = batch_inputs(batch, device)
 
     plain = build(device)
     variants = {

@@ -73,11 +73,9 @@ def _inside(bench, steps: int) -> dict:
     x, target, h = _inputs(bench)
     plain, model = bench.build(torch.device("cpu")), bench.build(torch.device("cpu"))
     dp = dpfast.DataParallel(model, ["cpu"] * 2, in_dims=bench.IN_DIMS, out_dims=bench.OUT_DIMS)
-    sizes = [32, 32]
-    xs, hs = torch.split(x, sizes), list(zip(*(torch.split(t, sizes, dim=1) for t in h)))
     forwards = {
         "dpfast": (lambda: dp(x, x, h)[0], list(model.parameters())),
-        "halves": (lambda: torch.cat([plain(a, a, b)[0] for a, b in zip(xs, hs)]), list(plain.parameters())),
+        "halves": (bench.halves_forward(plain, x, h), list(plain.parameters())),
     }
     samples: dict = {}
     spent: dict = {}
@@ -158,10 +156,7 @@ def _median_us(fn: Callable[[], object], calls: int, before: Callable[[], object
 
 
 def _inputs(bench) -> tuple:
-    gen = torch.Generator().manual_seed(64)
-    x = torch.randn(64, bench.N_FACTS, bench.HIDDEN, generator=gen)
-    target = torch.randint(0, bench.CLASSES, (64, bench.N_FACTS), generator=gen)
-    return x, target, tuple(torch.zeros(1, 64, bench.HIDDEN) for _ in range(2))
+    return bench.batch_inputs(64, torch.device("cpu"))
 
 
 def run_inside(bench, quick: bool) -> dict:

@@ -452,6 +452,26 @@ def test_device_check_sees_changes_after_the_first_call():
         dp(_x(4))
 
 
+def test_device_check_sees_a_tensor_moved_in_place():
+    """A parameter or buffer moved in place (``torch.utils.swap_tensors``, as ``Module.to`` can) keeps its object,
+    so the replicas' snapshot of the tree still holds (the device check reads the snapshot's tensors while it does):
+    the call refuses it all the same."""
+    src = _net()
+    src.register_buffer("counted", torch.zeros(1, dtype=DT))
+    dp = dpfast.DataParallel(src, ["cpu"] * 2)
+    for _ in range(2):
+        dp(_x(4))
+    for t in (src.out.weight, src.counted):
+        other = t.detach().to("meta").requires_grad_(t.requires_grad)
+        other = nn.Parameter(other, t.requires_grad) if isinstance(t, nn.Parameter) else other
+        torch.utils.swap_tensors(t, other)
+        with pytest.raises(RuntimeError, match="found one of them on device: meta"):
+            dp(_x(4))
+        torch.utils.swap_tensors(t, other)
+        dp(_x(4))
+    assert dp._replicas.builds == 1  # (the tree never changed: the same snapshot throughout)
+
+
 @pytest.mark.parametrize("where", ["the module", "a submodule", "in place"])
 def test_compiled_modules_are_refused_before_anything_is_changed(where):
     """Copying a torch.compile'd module (its OptimizedModule forwards ``_parameters`` to the original) emptied the

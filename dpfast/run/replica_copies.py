@@ -86,6 +86,7 @@ class SourceSnapshot:
         self.params = list(root.parameters())  # deduplicated: a tied parameter is broadcast once, as in torch
         self.param_index = {id(p): k for k, p in enumerate(self.params)}
         self.buffers = list(root.buffers())
+        self.params_and_buffers = self.params + self.buffers
         self.buffer_index = {id(b): k for k, b in enumerate(self.buffers)}
         names: dict[int, str] = {}
         for name, m in root.named_modules():

@@ -292,8 +292,12 @@ class ReplicaCache:
         return modules, tensors
 
     def check_module_device(self, root: nn.Module, source: torch.device) -> None:
-        """:func:`check_module_device` without walking the module tree through generators at every step."""
-        tensors = self._tree(root)[1]
+        """:func:`check_module_device` without walking the module tree through generators at every step. While the
+        replicas' snapshot holds, its tensors are the tree's, and the lease that follows checks the same snapshot
+        again: one set of snapshots per call to read, not two."""
+        snapshot = self._source
+        valid = snapshot is not None and snapshot.valid(root)
+        tensors = snapshot.params_and_buffers if valid else self._tree(root)[1]  # type: ignore[union-attr]
         if source == _CPU and all(map(_IS_CPU, tensors)):  # (no device object made per tensor)
             return
         for t in tensors:

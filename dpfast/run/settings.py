@@ -30,6 +30,7 @@ from ..trees.specs import validate_spec
 
 NAMES = ("device_ids", "output_device", "dim", "in_dims", "out_dims", "chunk_sizes", "cost")
 _ATOMS = (int, float, str, bytes, type(None), torch.device)
+_OUT_DIMS = NAMES.index("out_dims")
 
 
 def resolve_device(d: DeviceLike, what: str) -> torch.device:
@@ -134,12 +135,17 @@ class Settings:
         self._fingerprint = fingerprint(self._seen)
         self._out_dims = fingerprint(values["out_dims"])
         self._shallow = _flat_containers(self._seen)
+        # out_dims as a flat container of atoms (its entry in _shallow), checked by identity at each gather
+        self._out_flat = next((entry for entry in self._shallow or () if entry[0] == _OUT_DIMS), None)
 
     def outputs_for(self, out_dims: Any) -> OutputSkeleton | None:
         """:attr:`outputs`, when ``out_dims`` (the wrapper's at the gather) is still the one these settings were
         resolved from: a ``forward`` may change it in place, and the gather then walks it as a fresh wrapper does."""
+        flat = self._out_flat
         unchanged = out_dims is self.values["out_dims"] and (
-            isinstance(out_dims, _ATOMS) or fingerprint(out_dims) == self._out_dims
+            isinstance(out_dims, _ATOMS)
+            or (flat is not None and type(out_dims) is flat[1] and _same_atoms(out_dims, flat[2], flat[3]))
+            or fingerprint(out_dims) == self._out_dims
         )
         return self.outputs if unchanged else None
 

@@ -5,6 +5,7 @@ gradients, which replicas cannot fill in together, are refused before anything r
 from __future__ import annotations
 
 import copy
+import operator
 import warnings
 
 import pytest
@@ -78,3 +79,46 @@ def test_opacus_per_sample_gradients_are_refused(mode):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert all(getattr(p, "grad_sample", None) is None for p in model.parameters())
     dpfast.DataParallel(gsm, ["cpu"])(torch.randn(10, 3))  # one device: no replicas, opacus as usual
+
+
+class Rewiring(nn.Module):
+    """An LSTM (its ``_flat_weights`` list tracks the parameters) and a forward that, on a replica, replaces a
+    parameter and deletes another's entry once its output is computed: what a call writes into a replica's
+    parameter slots must hold at the next call all the same."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(3, 4, batch_first=True)
+        self.out = nn.Linear(4, 2)
+        self.home = [id(self)]  # (a list: shared with the copies, which are other objects)
+
+    def forward(self, x):
+        y = self.out(self.rnn(x)[0][:, -1])
+        if id(self) != self.home[0]:  # a replica: its own slots, undone before the next call
+            self.out.weight = nn.Parameter(torch.zeros_like(self.out.weight))
+            del self.rnn._parameters["bias_hh_l0"]
+        return y
+
+
+def test_a_replica_sharing_the_module_device_gets_its_parameters_written_once():
+    """A replica on the module's own device holds the module's very parameters: after the first call its
+    parameter slots are restored holding them (none is written again), and what a forward changed in them is
+    undone, so every call equals the module run on each half."""
+    torch.manual_seed(0)
+    m = Rewiring().to(DT)
+    dp = dpfast.DataParallel(m, ["cpu"] * 2)
+    written = []
+    for i in range(5):
+        x = torch.randn(6, 5, 3, dtype=DT, generator=torch.Generator().manual_seed(i))
+        out = dp(x)
+        with torch.no_grad():
+            torch.testing.assert_close(out, torch.cat([m(x[:3]), m(x[3:])]), rtol=0, atol=0)
+        out.sum().backward()
+        (rs,) = dp._replicas._sets
+        (replica,) = rs.replicas.values()
+        written.append(replica._params_in is rs.snapshot.params)
+        replica.undo()  # (as the next call does first)
+        params = list(replica.root.parameters())
+        assert len(params) == len(list(m.parameters())) and all(map(operator.is_, params, m.parameters()))
+        assert all(map(operator.is_, replica.root.rnn._flat_weights, m.rnn._flat_weights))
+    assert written == [True] * 5 and dp._replicas.builds == 1

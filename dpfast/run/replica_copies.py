@@ -168,12 +168,32 @@ class Replica:
         # each copy's __dict__, _parameters, _buffers and _modules, and what they held when built
         self._live = [d for r in copies for d in (r.__dict__, r._parameters, r._buffers, r._modules)]
         self._pristine = [dict(d) for d in self._live]
+        # what an undo restores: the dicts as built, or as built with the parameters list `_params_in` written in
+        # (a replica on the module's own device is given the module's very parameters, the same list every call
+        # while the tree holds: restored with them, it need not be written again)
+        self._restore_to, self._params_in = self._pristine, None
 
-    def write(self, params: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
-        """This call's parameters (the module's own, or a copy) and buffers (this replica's own) into the slots."""
+    def write(self, params: list[torch.Tensor], buffers: list[torch.Tensor], keep: bool = False) -> None:
+        """This call's parameters (the module's own, or a copy) and buffers (this replica's own) into the slots.
+        ``keep``: ``params`` is a list that later calls pass again (the module's own): undo restores the slots
+        holding it, and a call passing that very list again writes no parameter."""
         if self.dirty:  # (a set's refresh undoes all its replicas in one call first)
             undo_all([self])
         self.sync_hooks()
+        if params is not self._params_in:
+            self._write_params(params)
+            if keep:  # only the _parameters dicts differ from the built ones (buffers are written below)
+                restore_to = list(self._pristine)
+                restore_to[1::4] = [dict(d) for d in self._live[1::4]]
+                self._restore_to, self._params_in = restore_to, params
+        for r, key, k in self.buffer_slots:
+            r._buffers[key] = buffers[k]
+        self.holds_tensors = True
+        self.dirty = True
+
+    def _write_params(self, params: list[torch.Tensor]) -> None:
+        """``params`` into the parameter slots: ``_parameters``, an RNN's ``_flat_weights`` and
+        ``_former_parameters`` (the last two are lists and dicts of the copy's own, written here only)."""
         for r, key, k, flat in self.param_slots:
             t = params[k]
             # written into _parameters directly, so that code reading a replica's parameters (named_parameters(),
@@ -182,14 +202,11 @@ class Replica:
             if flat >= 0:
                 r.__dict__["_flat_weights"][flat] = t
             r._former_parameters[key] = t
-        for r, key, k in self.buffer_slots:
-            r._buffers[key] = buffers[k]
-        self.holds_tensors = True
-        self.dirty = True
 
     def clear(self) -> None:
         """Drop the tensors of the last call that wrote them (memory, and the autograd graph they belong to)."""
         self.undo()
+        self._restore_to, self._params_in = self._pristine, None
         if not self.holds_tensors:
             return
         for r, key, _, flat in self.param_slots:
@@ -228,7 +245,7 @@ def undo_all(replicas: list[Replica]) -> None:
             own = replica._live
             own[::4] = map(DICT_OF, replica.modules)  # (a __dict__ can be replaced; the other three are in it)
             live += own
-            pristine += replica._pristine
+            pristine += replica._restore_to
     if live:
         restore(live, pristine)
         for replica in replicas:

@@ -184,7 +184,7 @@ class _ReplicaSet:
                 own = bcopies[c] if g not in taken else [fresh(b, detach) for b in bcopies[c]]
                 taken.add(g)
                 mine = pcopies[c]
-            replica.write(mine, own)
+            replica.write(mine, own, keep=g is None)
         used = replica = None  # (no local may hold a replica module when the counts are taken)
         self._own_refs = self._refcounts()
         return [self.replicas[key].root for key in slots]

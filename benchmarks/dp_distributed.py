@@ -28,7 +28,9 @@ that scales each by one weight: ``dpfast many`` is given the global list (each r
 tensor), ``torch many`` (torch's DDP) this rank's rows, sliced beforehand. Target: ``dpfast many`` <= 1.0x. Beside
 them, each with its own counterpart: ``torch many, cut in the call`` (torch's DDP given the rows a torch user who
 holds the global list slices in the step, ``x[start:stop]`` each) against ``dpfast many``, and ``dpfast many
-per-rank`` (``inputs="per_rank"``, given this rank's rows, sliced beforehand) against ``torch many``.
+per-rank`` (``inputs="per_rank"``, given this rank's rows, sliced beforehand) against ``torch many``; and both of
+dpfast's with ``check_batch=False`` (``unchecked``: no per-call agreement, the round trip a no_grad forward
+otherwise waits for) against the same counterparts.
 
 **Balance.** Per-rank loading's samplers: :mod:`dp_rank_balance`.
 """
@@ -153,9 +155,11 @@ def _many_tensors(n: int) -> dict:
     shard = [x[mine.start : mine.stop] for x in xs]
     torch_ddp, ours = nn.parallel.DistributedDataParallel(_ScaleEach()), dpfast.DistributedDataParallel(_ScaleEach())
     per_rank = dpfast.DistributedDataParallel(_ScaleEach(), inputs="per_rank")
+    unchecked = dpfast.DistributedDataParallel(_ScaleEach(), check_batch=False)
+    per_rank_unchecked = dpfast.DistributedDataParallel(_ScaleEach(), inputs="per_rank", check_batch=False)
     with torch.no_grad():  # the same result, or the row means nothing
-        assert all(torch.equal(a, b) for a, b in zip(ours(xs), torch_ddp(shard)))
-        assert all(torch.equal(a, b) for a, b in zip(per_rank(shard), torch_ddp(shard)))
+        for model, given in ((ours, xs), (per_rank, shard), (unchecked, xs), (per_rank_unchecked, shard)):
+            assert all(torch.equal(a, b) for a, b in zip(model(given), torch_ddp(shard)))
 
     def call(model, inputs):
         def run():
@@ -173,6 +177,8 @@ def _many_tensors(n: int) -> dict:
         "dpfast many": call(ours, xs),
         "torch many, cut in the call": cut_in_call,
         "dpfast many per-rank": call(per_rank, shard),
+        "dpfast many unchecked": call(unchecked, xs),
+        "dpfast many per-rank unchecked": call(per_rank_unchecked, shard),
     }
 
 
@@ -180,6 +186,8 @@ MANY_RATIOS = [
     ("dpfast many", "torch many"),
     ("dpfast many", "torch many, cut in the call"),
     ("dpfast many per-rank", "torch many"),
+    ("dpfast many unchecked", "torch many, cut in the call"),
+    ("dpfast many per-rank unchecked", "torch many"),
 ]
 
 

@@ -452,6 +452,33 @@ def test_device_check_sees_changes_after_the_first_call():
         dp(_x(4))
 
 
+class MarksItself(nn.Module):
+    """Sets an attribute of its own on its first forward, and reports per row whether it set it itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x):
+        if "mark" not in self.__dict__:
+            self.mark = id(self)  # the module itself, once: its later replicas are copies of it, mark included
+        return self.lin(x) * 0 + float(self.mark == id(self))
+
+
+def test_a_module_that_changes_itself_once_in_its_forward_is_copied_again():
+    """The module's own forward (replica 0) sets an attribute on its first call: the next call's replicas are
+    copies of the module with it, not the copies made before (which would set their own). The write watch reads
+    the module's dicts after that forward against snapshots of their own, and whatever it records must not stand
+    for the replicas' snapshot at the next call."""
+    src = MarksItself().to(DT)
+    dp = dpfast.DataParallel(src, ["cpu"] * 2)
+    x = _x(4)
+    assert dp(x)[:, 0].tolist() == [1.0] * 4  # the first call: each set its own
+    for _ in range(2):
+        assert dp(x)[:, 0].tolist() == [1.0, 1.0, 0.0, 0.0]  # the module's mark, copied
+    assert dp._replicas.builds == 2
+
+
 def test_device_check_sees_a_tensor_moved_in_place():
     """A parameter or buffer moved in place (``torch.utils.swap_tensors``, as ``Module.to`` can) keeps its object,
     so the replicas' snapshot of the tree still holds (the device check reads the snapshot's tensors while it does):

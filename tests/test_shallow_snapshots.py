@@ -4,6 +4,7 @@ extension (csrc/python_dicts.cpp) or in Python, with the same result."""
 from __future__ import annotations
 
 import copy
+import sys
 from collections import OrderedDict
 
 import pytest
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 
 from dpfast.ext.loader import C
 from dpfast.run import shallow_snapshots
-from dpfast.run.shallow_snapshots import all_same, restore, same, snap
+from dpfast.run.shallow_snapshots import all_same, restore, same, snap, versions_for
 
 needs_extension = pytest.mark.skipif(C is None, reason="needs the compiled extension")
 
@@ -80,6 +81,53 @@ def test_all_same_tells_what_each_dict_holds(dicts, data):
     assert all(map(same, dicts, snaps)) is all(unchanged)
     if C is not None:
         assert C._same_dicts(dicts, keys, values) is all(unchanged)
+
+
+@settings(max_examples=300, deadline=None)
+@given(dicts=_DICTS, data=st.data())
+def test_all_same_with_version_tags_tells_the_same(dicts, data):
+    """Tags recorded when every dict was found the same: a later check tells what each dict holds as a check
+    without them does, through any change (a rebinding to the very same object, a key moved and put back, a dict
+    replaced by an equal copy), and again after it."""
+    snaps = [snap(d) for d in dicts]
+    keys, values = [k for k, _ in snaps], [v for _, v in snaps]
+    versions = versions_for(len(dicts))
+    assert all_same(dicts, keys, values, versions)
+    mutations = data.draw(st.lists(_MUTATION, min_size=len(dicts), max_size=len(dicts)))
+    unchanged = [_mutate(d, m) for d, m in zip(dicts, mutations)]
+    if dicts and data.draw(st.booleans()):
+        dicts[0] = dict(dicts[0])  # another dict object, holding the same entries
+    for _ in range(2):
+        assert all_same(dicts, keys, values, versions) is all(unchanged)
+        assert [all_same([d], [k], [v], versions_for(1)) for d, k, v in zip(dicts, keys, values)] == unchanged
+
+
+_TAGS_READ = C is not None and sys.version_info < (3, 12) and sys.implementation.name == "cpython"
+
+
+@pytest.mark.skipif(not _TAGS_READ, reason="version tags are read by the extension on CPython < 3.12")
+def test_a_dict_whose_tag_is_unchanged_is_not_read_again():
+    """The contract of ``versions``: kept with the snapshots it was recorded against. A dict found the same is
+    trusted while its tag holds (its entries are not read again: a wrong snapshot passed with the tags is not
+    seen), and read again, and found changed, once anything in it changes."""
+    d = {"a": 1, "b": "x"}
+    versions = versions_for(1)
+    assert all_same([d], [("a", "b")], [(1, "x")], versions)
+    assert versions != versions_for(1)  # recorded
+    assert all_same([d], [("a",)], [(1,)], versions)  # not read: the tag is the one recorded
+    d["b"] = "y"
+    assert not all_same([d], [("a", "b")], [(1, "x")], versions)
+    d["b"] = "x"  # the same entries again, under a new tag: read, found the same, recorded
+    assert all_same([d], [("a", "b")], [(1, "x")], versions)
+    assert all_same([d], [("a",)], [(1,)], versions)
+
+
+@needs_extension
+@pytest.mark.parametrize("versions", [b"\0" * 8, bytearray(7), [0]])
+def test_same_dicts_declines_tags_it_cannot_keep(versions):
+    """Tags must be a bytearray with 8 bytes a dict (written in place): anything else is declined."""
+    assert C._same_dicts([{"a": 1}], [("a",)], [(1,)], versions) is NotImplemented
+    assert all_same([{"a": 1}], [("a",)], [(1,)], versions) is True  # (Python reads the entries)
 
 
 @settings(max_examples=300, deadline=None)

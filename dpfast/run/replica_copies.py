@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .rebinding import rebind
-from .shallow_snapshots import all_same, restore, snap
+from .shallow_snapshots import all_same, restore, snap, versions_for
 
 # The hook registries of an nn.Module that a forward (or backward) consults.
 HOOK_DICTS = (
@@ -81,6 +81,7 @@ class SourceSnapshot:
         self.keys, self.values = [k for k, _ in snaps], [v for _, v in snaps]
         n = len(self.modules)
         self.dict_keys, self.dict_values = self.keys[:n], self.values[:n]  # the modules' __dict__s alone
+        self.versions = versions_for(len(snaps))  # for every check against these snapshots (all_same)
         self._tensors: list[torch.Tensor] | None = None
         self.index = {id(m): i for i, m in enumerate(self.modules)}
         self.params = list(root.parameters())  # deduplicated: a tied parameter is broadcast once, as in torch
@@ -100,7 +101,7 @@ class SourceSnapshot:
         return (
             modules[0] is root
             and all(map(operator.is_, map(type, modules), self.types))  # a __class__ swap leaves the dicts as they were
-            and all_same([m.__dict__ for m in modules] + self.own_dicts, self.keys, self.values)
+            and all_same([m.__dict__ for m in modules] + self.own_dicts, self.keys, self.values, self.versions)
         )
 
     def tensors(self) -> list[torch.Tensor]:

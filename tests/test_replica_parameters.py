@@ -82,9 +82,10 @@ def test_opacus_per_sample_gradients_are_refused(mode):
 
 
 class Rewiring(nn.Module):
-    """An LSTM (its ``_flat_weights`` list tracks the parameters) and a forward that, on a replica, replaces a
-    parameter and deletes another's entry once its output is computed: what a call writes into a replica's
-    parameter slots must hold at the next call all the same."""
+    """An LSTM (its ``_flat_weights`` list tracks the parameters) and a forward that, on a replica, assigns one of
+    the LSTM's weights (an RNN's ``__setattr__`` writes it into that list in place), replaces a Linear's weight and
+    deletes another entry, once its output is computed: what a call put into a replica's parameter slots must hold
+    at the next call all the same."""
 
     def __init__(self):
         super().__init__()
@@ -95,30 +96,60 @@ class Rewiring(nn.Module):
     def forward(self, x):
         y = self.out(self.rnn(x)[0][:, -1])
         if id(self) != self.home[0]:  # a replica: its own slots, undone before the next call
+            self.rnn.weight_hh_l0 = nn.Parameter(torch.zeros_like(self.rnn.weight_hh_l0))
             self.out.weight = nn.Parameter(torch.zeros_like(self.out.weight))
             del self.rnn._parameters["bias_hh_l0"]
         return y
 
 
-def test_a_replica_sharing_the_module_device_gets_its_parameters_written_once():
+def _check_calls(dp, m, calls, exact_grads=True):
+    """Each call of ``dp`` equals the module run on each half, forward and backward (gradients summed from copies
+    may round otherwise: ``exact_grads=False``), with an optimizer-like in-place update between calls."""
+    for i in range(calls):
+        x = torch.randn(6, 5, 3, dtype=DT, generator=torch.Generator().manual_seed(i))
+        out = dp(x)
+        m.zero_grad()
+        out.sum().backward()
+        grads = [p.grad.clone() for p in m.parameters()]
+        m.zero_grad()
+        ref = torch.cat([m(x[:3]), m(x[3:])])
+        ref.sum().backward()
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+        for g, p in zip(grads, m.parameters()):
+            torch.testing.assert_close(g, p.grad, **({"rtol": 0, "atol": 0} if exact_grads else {}))
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(0.01)
+
+
+def test_a_replica_sharing_the_module_device_gets_its_parameters_written_once(monkeypatch):
     """A replica on the module's own device holds the module's very parameters: after the first call its
-    parameter slots are restored holding them (none is written again), and what a forward changed in them is
-    undone, so every call equals the module run on each half."""
+    ``_parameters`` are restored holding them (they are not written again), and what a forward changed in its
+    slots (an LSTM's ``_flat_weights`` included) is undone, so every call equals the module run on each half."""
+    from dpfast.run import replica_copies
+
+    writes = []
+    write_params = replica_copies.Replica._write_params
+    monkeypatch.setattr(replica_copies.Replica, "_write_params", lambda r, p: writes.append(1) or write_params(r, p))
     torch.manual_seed(0)
     m = Rewiring().to(DT)
     dp = dpfast.DataParallel(m, ["cpu"] * 2)
-    written = []
-    for i in range(5):
-        x = torch.randn(6, 5, 3, dtype=DT, generator=torch.Generator().manual_seed(i))
-        out = dp(x)
-        with torch.no_grad():
-            torch.testing.assert_close(out, torch.cat([m(x[:3]), m(x[3:])]), rtol=0, atol=0)
-        out.sum().backward()
-        (rs,) = dp._replicas._sets
-        (replica,) = rs.replicas.values()
-        written.append(replica._params_in is rs.snapshot.params)
-        replica.undo()  # (as the next call does first)
-        params = list(replica.root.parameters())
-        assert len(params) == len(list(m.parameters())) and all(map(operator.is_, params, m.parameters()))
-        assert all(map(operator.is_, replica.root.rnn._flat_weights, m.rnn._flat_weights))
-    assert written == [True] * 5 and dp._replicas.builds == 1
+    _check_calls(dp, m, 5)
+    assert len(writes) == 1 and dp._replicas.builds == 1
+    (rs,) = dp._replicas._sets
+    (replica,) = rs.replicas.values()
+    replica.undo()  # (as the next call does first)
+    assert all(map(operator.is_, replica.root.parameters(), m.parameters()))
+
+
+def test_a_replica_whose_parameters_are_copies_then_the_module_s_again(monkeypatch):
+    """A replica given copies (the test switch: as if on another device) after the module's own parameters, and
+    then the module's again: each call writes and undoes what it was given, never restoring an earlier call's."""
+    from dpfast.run import replicas
+
+    torch.manual_seed(0)
+    m = Rewiring().to(DT)
+    dp = dpfast.DataParallel(m, ["cpu"] * 2)
+    for copies in (False, True, False, False, True):
+        monkeypatch.setattr(replicas, "_COPY_ON_SOURCE_DEVICE", copies)
+        _check_calls(dp, m, 2, exact_grads=not copies)

@@ -1,7 +1,7 @@
 """The two halves of a replica: :class:`SourceSnapshot`, what the module's tree looked like when its replicas were built
 (and whether it still does), and :class:`Replica`, one copy of that tree for one device slot, with the attribute
-slots each call writes its parameters and buffers into. :mod:`dpfast.run.replicas` says when either is made, used
-and dropped.
+slots each call writes its parameters and buffers into (or, on the module's own device, finds its parameters in).
+:mod:`dpfast.run.replicas` says when either is made, used and dropped.
 """
 
 from __future__ import annotations
@@ -152,6 +152,9 @@ class Replica:
                     new = rebind(v, replica_of)
                     if new is not v:
                         r.__dict__[key] = new
+        # an RNN's _flat_weights list is the copy's own, but its __setattr__ writes into it in place (a forward that
+        # assigns an RNN weight): undo restores the list object and not its items, so these are written every call
+        self._flat_slots = [(r, flat, k) for r, _, k, flat in self.param_slots if flat >= 0]
         self._replica_of = replica_of
         # Each replica gets hook dicts of its own, copied from the module's (with bound methods rebound): a forward
         # that registers hooks (HF models install their output-capturing hooks on first use) must not add them to
@@ -171,22 +174,29 @@ class Replica:
         self._pristine = [dict(d) for d in self._live]
         # what an undo restores: the dicts as built, or as built with the parameters list `_params_in` written in
         # (a replica on the module's own device is given the module's very parameters, the same list every call
-        # while the tree holds: restored with them, it need not be written again)
-        self._restore_to, self._params_in = self._pristine, None
+        # while the tree holds: restored with them, its _parameters need not be written again)
+        self._restore_to: list[dict] = self._pristine
+        self._params_in: list[torch.Tensor] | None = None
 
     def write(self, params: list[torch.Tensor], buffers: list[torch.Tensor], keep: bool = False) -> None:
         """This call's parameters (the module's own, or a copy) and buffers (this replica's own) into the slots.
-        ``keep``: ``params`` is a list that later calls pass again (the module's own): undo restores the slots
-        holding it, and a call passing that very list again writes no parameter."""
+        ``keep``: ``params`` is a list that later calls pass again (the module's own): undo restores the
+        ``_parameters`` dicts holding it, and a call passing that very list again writes only an RNN's
+        ``_flat_weights`` (see ``_flat_slots``)."""
         if self.dirty:  # (a set's refresh undoes all its replicas in one call first)
             undo_all([self])
         self.sync_hooks()
-        if params is not self._params_in:
+        if params is self._params_in:
+            for r, flat, k in self._flat_slots:
+                r.__dict__["_flat_weights"][flat] = params[k]
+        else:
             self._write_params(params)
             if keep:  # only the _parameters dicts differ from the built ones (buffers are written below)
                 restore_to = list(self._pristine)
                 restore_to[1::4] = [dict(d) for d in self._live[1::4]]
                 self._restore_to, self._params_in = restore_to, params
+            else:  # (undo must not put back parameters an earlier call kept: the slots hold others now)
+                self._restore_to, self._params_in = self._pristine, None
         for r, key, k in self.buffer_slots:
             r._buffers[key] = buffers[k]
         self.holds_tensors = True
@@ -194,7 +204,8 @@ class Replica:
 
     def _write_params(self, params: list[torch.Tensor]) -> None:
         """``params`` into the parameter slots: ``_parameters``, an RNN's ``_flat_weights`` and
-        ``_former_parameters`` (the last two are lists and dicts of the copy's own, written here only)."""
+        ``_former_parameters`` (the copy's own OrderedDict, which only this writes: torch's ``replicate`` sets it,
+        and nothing in a forward does)."""
         for r, key, k, flat in self.param_slots:
             t = params[k]
             # written into _parameters directly, so that code reading a replica's parameters (named_parameters(),

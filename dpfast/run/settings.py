@@ -30,7 +30,6 @@ from ..trees.specs import validate_spec
 
 NAMES = ("device_ids", "output_device", "dim", "in_dims", "out_dims", "chunk_sizes", "cost")
 _ATOMS = (int, float, str, bytes, type(None), torch.device)
-_OUT_DIMS = NAMES.index("out_dims")
 
 
 def resolve_device(d: DeviceLike, what: str) -> torch.device:
@@ -135,8 +134,8 @@ class Settings:
         self._fingerprint = fingerprint(self._seen)
         self._out_dims = fingerprint(values["out_dims"])
         self._shallow = _flat_containers(self._seen)
-        # out_dims as a flat container of atoms (its entry in _shallow), checked by identity at each gather
-        self._out_flat = next((entry for entry in self._shallow or () if entry[0] == _OUT_DIMS), None)
+        # out_dims as a flat container of atoms (even beside a nested in_dims): checked by identity at each gather
+        self._out_flat = next(iter(_flat_containers((values["out_dims"],)) or ()), None)
 
     def outputs_for(self, out_dims: Any) -> OutputSkeleton | None:
         """:attr:`outputs`, when ``out_dims`` (the wrapper's at the gather) is still the one these settings were

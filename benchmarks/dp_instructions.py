@@ -36,11 +36,13 @@ def _step(which: str, steps: int) -> None:
     """The child: ``steps`` training steps of one variant after five warm-up steps (run under valgrind)."""
     import torch
 
+    import dpfast  # (first: bench_dp puts its own checkout first on the path, which would shadow --tree's)
+
     torch.set_num_threads(1)  # (valgrind runs one thread at a time anyway)
     sys.path.insert(0, HERE)
     import bench_dp
 
-    import dpfast
+    print(f"dpfast from {os.path.dirname(dpfast.__file__)}", file=sys.stderr)
 
     x, target, h = bench_dp.batch_inputs(64, torch.device("cpu"))
     model = bench_dp.build(torch.device("cpu"))
@@ -57,7 +59,7 @@ def _counted(which: str, steps: int, tree: str | None) -> dict[str, int]:
     """The totals cachegrind reports for one child process."""
     env = dict(os.environ)
     if tree:
-        env["PYTHONPATH"] = os.path.abspath(tree) + os.pathsep + env.get("PYTHONPATH", "")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(tree), env.get("PYTHONPATH")) if p)
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [
             "valgrind", "--tool=cachegrind", "--cache-sim=yes", "--LL=524288,8,64",
@@ -66,6 +68,9 @@ def _counted(which: str, steps: int, tree: str | None) -> dict[str, int]:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{which} ({steps} steps) failed under valgrind:\n{done.stderr[-2000:]}")
+    where = re.search(r"dpfast from (.+)", done.stderr)
+    if tree and (where is None or not where.group(1).startswith(os.path.abspath(tree))):
+        raise RuntimeError(f"--tree {tree}: the child imported dpfast from {where and where.group(1)}, not the tree")
     counts = {}
     for name, label in COUNTS.items():
         match = re.search(rf"{re.escape(label)}:\s+([\d,]+)", done.stderr)
@@ -95,7 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=os.path.join(HERE, "results"), help="directory for the JSON")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1, got {args.steps}")
     if args.child:
+        if args.child[0] not in ("dpfast", "halves"):
+            parser.error(f"--child takes dpfast or halves, got {args.child[0]!r}")
         _step(args.child[0], int(args.child[1]))
         return 0
     result = run(args.steps, args.tree)

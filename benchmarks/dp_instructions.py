@@ -57,8 +57,9 @@ def _step(which: str, steps: int) -> None:
 
 def _counted(which: str, steps: int, tree: str | None) -> dict[str, int]:
     """The totals cachegrind reports for one child process."""
-    # one thread everywhere: a BLAS or OpenMP pool's idle threads spin, and their instructions would vary by run
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    # one thread everywhere (a BLAS or OpenMP pool's idle threads spin, and their instructions vary by run) and one
+    # string hash (a process's own hash seed changes how many probes its dict lookups take)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", PYTHONHASHSEED="0")
     if tree:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(tree), env.get("PYTHONPATH")) if p)
     with tempfile.TemporaryDirectory() as tmp:

@@ -37,8 +37,9 @@ bool holds_exactly(PyObject* now, PyObject* keys, PyObject* values) {
 
 // A dict's version tag (PEP 509): CPython gives a dict a new one, unique among all dicts, when it is made and at
 // every change of an entry (not when a key is set to the very value it holds). Equal to one read earlier, the dict
-// is that very dict and holds what it held then, without reading its entries. Read on CPython < 3.12 only, where
-// every change goes through the dict's own code; 0 (unknown) elsewhere, and the entries are compared.
+// is that very dict and holds what it held then, without reading its entries. Read on CPython < 3.12 only (the
+// field is deprecated in 3.12, its low bits then hold watcher flags, and it is gone in 3.14); 0 (unknown)
+// elsewhere, and the entries are compared.
 uint64_t version_of(PyObject* dict) {
 #if PY_VERSION_HEX < 0x030C0000 && !defined(PYPY_VERSION)
   return reinterpret_cast<PyDictObject*>(dict)->ma_version_tag;

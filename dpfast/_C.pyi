@@ -79,7 +79,9 @@ def _blocks(
 
 # A module tree's dicts checked and restored by identity (csrc/python_dicts.cpp; dpfast/run/shallow_snapshots.py
 # does the same in Python for whatever these decline).
-# whether every dicts[i] holds exactly keys[i] bound to values[i], in order, by identity; or NotImplemented
+# whether every dicts[i] holds exactly keys[i] bound to values[i], in order, by identity; or NotImplemented.
+# versions: 8 bytes a dict, kept with these very snapshots: a dict whose PEP 509 tag is the one recorded is not read
+# again, and a dict found the same has its tag recorded (CPython < 3.12)
 def _same_dicts(
     dicts: Sequence[dict], keys: Sequence[tuple], values: Sequence[tuple], versions: bytearray | None = ...
 ) -> Any: ...

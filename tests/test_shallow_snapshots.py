@@ -123,6 +123,26 @@ def test_a_dict_whose_tag_is_unchanged_is_not_read_again():
 
 
 @needs_extension
+def test_tags_are_kept_in_any_bytearray_long_enough():
+    """A bytearray whose buffer does not start on an 8-byte boundary, or one longer than the dicts need (tags for
+    a prefix of the snapshots): read and written in place, never past the dicts given (run under the sanitizers
+    by tests/sanitize.sh)."""
+    dicts = [{"k": i, "j": str(i)} for i in range(5)]
+    keys, values = [tuple(d) for d in dicts], [tuple(d.values()) for d in dicts]
+    shifted = bytearray(8 * 5 + 3)
+    del shifted[:3]  # (its buffer now starts 3 bytes in)
+    longer = bytearray(8 * 9)
+    for tags in (shifted, longer):
+        for _ in range(2):
+            assert C._same_dicts(dicts, keys, values, tags) is True
+        assert tags[40:] == bytearray(len(tags) - 40)  # nothing written past the five dicts' tags
+        dicts[4]["k"] = -1
+        assert C._same_dicts(dicts, keys, values, tags) is False
+        dicts[4]["k"] = 4
+    assert C._same_dicts([], [], [], bytearray()) is True
+
+
+@needs_extension
 @pytest.mark.parametrize("versions", [b"\0" * 8, bytearray(7), [0]])
 def test_same_dicts_declines_tags_it_cannot_keep(versions):
     """Tags must be a bytearray with 8 bytes a dict (written in place): anything else is declined."""

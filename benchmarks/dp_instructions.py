@@ -4,7 +4,8 @@ seed-000 RRN at ``B = 64`` on ``["cpu"] * 2``, against its two halves run in tur
 Why: on the 2-core virtual machines this project is measured on, the same code reads 1.06-1.27x the halves from
 one run to the next, so a change worth 1-2 % of a step cannot be seen in a ratio of times. Cachegrind runs the
 program on a simulated CPU (one thread, a 32 KiB L1 and, as set here, a 512 KiB last level like a core's L2): its
-counts are the same every run, and the misses count what the bookkeeping's cold start costs (benchmarks/RESULTS.md,
+instruction counts repeat within 0.1 % from run to run (one thread, one string hash seed; the misses move a little
+with memory addresses), and the misses count what the bookkeeping's cold start costs (benchmarks/RESULTS.md,
 "where a rehearsal's bookkeeping time goes"). It is slow (valgrind runs Python about 50x slower: some 10 minutes on
 two cores for the default 50 steps) and needs valgrind, so it is not part of ``bench_dp.py``.
 

@@ -152,9 +152,10 @@ class Replica:
                     new = rebind(v, replica_of)
                     if new is not v:
                         r.__dict__[key] = new
-        # an RNN's _flat_weights list is the copy's own, but its __setattr__ writes into it in place (a forward that
-        # assigns an RNN weight): undo restores the list object and not its items, so these are written every call
+        # an RNN's _flat_weights list and _former_parameters are the copy's own, but undo restores those objects and
+        # not their items (an RNN's __setattr__ writes into _flat_weights in place), so these are written every call
         self._flat_slots = [(r, flat, k) for r, _, k, flat in self.param_slots if flat >= 0]
+        self._former_slots = [(r._former_parameters, key, k) for r, key, k, _ in self.param_slots]
         self._replica_of = replica_of
         # Each replica gets hook dicts of its own, copied from the module's (with bound methods rebound): a forward
         # that registers hooks (HF models install their output-capturing hooks on first use) must not add them to
@@ -181,14 +182,16 @@ class Replica:
     def write(self, params: list[torch.Tensor], buffers: list[torch.Tensor], keep: bool = False) -> None:
         """This call's parameters (the module's own, or a copy) and buffers (this replica's own) into the slots.
         ``keep``: ``params`` is a list that later calls pass again (the module's own): undo restores the
-        ``_parameters`` dicts holding it, and a call passing that very list again writes only an RNN's
-        ``_flat_weights`` (see ``_flat_slots``)."""
+        ``_parameters`` dicts holding it, and a call passing that very list again writes only the copy's own
+        ``_flat_weights`` and ``_former_parameters`` (see ``_flat_slots``)."""
         if self.dirty:  # (a set's refresh undoes all its replicas in one call first)
             undo_all([self])
         self.sync_hooks()
         if params is self._params_in:
             for r, flat, k in self._flat_slots:
                 r.__dict__["_flat_weights"][flat] = params[k]
+            for former, key, k in self._former_slots:
+                former[key] = params[k]
         else:
             self._write_params(params)
             if keep:  # only the _parameters dicts differ from the built ones (buffers are written below)
@@ -204,8 +207,7 @@ class Replica:
 
     def _write_params(self, params: list[torch.Tensor]) -> None:
         """``params`` into the parameter slots: ``_parameters``, an RNN's ``_flat_weights`` and
-        ``_former_parameters`` (the copy's own OrderedDict, which only this writes: torch's ``replicate`` sets it,
-        and nothing in a forward does)."""
+        ``_former_parameters`` (as torch's ``replicate`` sets it)."""
         for r, key, k, flat in self.param_slots:
             t = params[k]
             # written into _parameters directly, so that code reading a replica's parameters (named_parameters(),

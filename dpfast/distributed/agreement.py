@@ -33,6 +33,7 @@ CANNOT_PLAN = 1  # planning the call raised (ScatterError, a spec that does not 
 EMPTY_REFUSED = 2  # no rows, and the module refused an empty batch and a stand-in sample
 GHOST_COUNTED = 3  # no rows, the module refused an empty batch, and the stand-in sample reached a collective
 CANNOT_GATHER = 4  # gather_outputs could not sort this rank's outputs
+MODULE_RAISED = 5  # the module raised on this rank's share (it still joins the step's check, so nobody waits)
 
 
 class DistributedBatchError(ScatterError):
@@ -205,14 +206,17 @@ def agree_now(group: Any, comm_device: torch.device, records: Sequence[StepRecor
 
 
 def raise_disagreement(group: Any, records: Sequence[StepRecord], rows: Sequence[Sequence[int]]) -> None:
-    """Every rank saw the same ``rows``, so every rank is here: one more collective for a readable message."""
+    """Every rank saw the same ``rows``, so every rank is here: one more collective for a readable message. When
+    every rank's module raised, each raises its own error, as it would without dpfast."""
+    local = next((r.error for r in records if r.error is not None), None)
+    if local is not None and all(row[0] == MODULE_RAISED for row in rows):
+        raise local
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     mine = [(r.status, r.error_line(), r.items) for r in records]
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine, group=group)
     lines = [f"{NAME}: {_headline(everyone, rows)}"]
     lines += _rank_lines(everyone, rank)
-    local = next((r.error for r in records if r.error is not None), None)
     if local is not None and str(local):
         lines.append(str(local))  # this rank's own error in full (a ScatterError's table and suggested fix)
     raise DistributedBatchError("\n".join(lines)) from local
@@ -234,11 +238,14 @@ _STATUS_HEADLINES = {
         "chunk_sizes weight of 0)"
     ),
     CANNOT_GATHER: "could not gather {its} outputs, so no rank gathers them",
+    MODULE_RAISED: "raised in {its} module on the same batch as the others, so no rank uses this step",
 }
 
 
 def _headline(everyone: Sequence[Any], rows: Sequence[Sequence[int]]) -> str:
     worst = max(row[0] for row in rows)
+    if worst == MODULE_RAISED and _first_difference(everyone)[1]:
+        return _batch_headline(everyone)  # the batches differ too: the cause, of which the raise is a symptom
     if worst != OK:
         bad = [r for r, row in enumerate(rows) if row[0] == worst]
         many = len(bad) > 1
@@ -300,7 +307,10 @@ def _rank_lines(everyone: Sequence[Any], rank: int) -> list[str]:
     lines = []
     for r, records in enumerate(everyone):
         failed = [(status, err) for status, err, _ in records if status != OK]
-        if failed:
+        if failed and failed[0][0] == MODULE_RAISED and keys:  # what differs, then what its module raised
+            d = records[i][2] if i < len(records) else {}
+            text = "; ".join(f"{k}: {d.get(k, '(none)')}" for k in keys[:4]) + f" (its module raised {failed[0][1]})"
+        elif failed:
             text = failed[0][1] or "failed"
         elif len(counts) > 1:
             text = f"{len(records)} forward{'s' if len(records) != 1 else ''} since the last check"

@@ -28,10 +28,9 @@ Without ``gather_outputs`` you get this rank's outputs and DDP's usual semantics
 For a per-sample-mean loss on uneven shares, multiply the local loss by :attr:`DistributedDataParallel.loss_scale`
 (``W · n_r / B``) to get exactly the full-batch gradient.
 
-Gradients w.r.t. the call's tensor inputs that require grad: with the global batch and ``gather_outputs`` they are
-averaged over ranks (:class:`~dpfast.distributed.exchanges.AverageInputGrads`), so every rank's ``x.grad`` is the
-full-batch one; otherwise each rank keeps its own rows' gradient, scaled by ``1/W`` as the parameters' average is
-(:class:`~dpfast.distributed.exchanges.ScaleGrad`).
+Gradients w.r.t. the call's tensor inputs that require grad: with the global batch and ``gather_outputs`` averaged
+over ranks (every rank's ``x.grad`` is the full-batch one); otherwise each rank keeps its own rows' gradient, scaled
+by ``1/W`` as the parameters' average is (:mod:`dpfast.distributed.exchanges`).
 """
 
 from __future__ import annotations
@@ -48,12 +47,12 @@ from torch.distributed.utils import _to_kwargs
 from ..plan.call_plan import CallPlan, plan_call
 from ..plan.errors import ScatterError
 from ..trees.specs import Spec
-from .agreement import EMPTY_REFUSED, GHOST_COUNTED, OK, StepDescriber, StepRecord
+from .agreement import EMPTY_REFUSED, GHOST_COUNTED, MODULE_RAISED, OK, StepDescriber, StepRecord
 from .bucket_check import BucketCheck, NativeBucketCheck, native_hook_available
 from .checks import StepChecks
 from .ddp_overrides import KeepingStepOverrides, _ShareRefused
 from .exchanges import RankGroup, through_input_grads
-from .keeping_step import CollectiveLog, EmptyShare
+from .keeping_step import CollectiveLog, EmptyShare, replay
 from .kept_call import KeptCalls
 from .output_layout import KeptExchange
 from .outputs import OutputsCall, gather_across_ranks
@@ -63,8 +62,7 @@ from .sharding import Share, rank_call
 
 @dataclasses.dataclass
 class _CallState:
-    """What this rank's last forward left for the properties and DDP's overrides (in one plain object: setting
-    an attribute of an ``nn.Module`` costs microseconds, and a step sets several)."""
+    """What this rank's last forward left for the properties and DDP's overrides (one plain object: cheap to set)."""
 
     share: Share | None = None
     pending_rows: int | None = None  # per-rank inputs: this rank's rows, until every rank's are known
@@ -204,8 +202,7 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
         return s.world_size * s.size / s.batch_size
 
     def _exchange_sizes(self, rows: int) -> list[int]:
-        """Per-rank inputs without gather_outputs: every rank's row count, from one small all-gather (a rank
-        that cannot run its part replays it when the last checked step had one, see ``_keep_step``)."""
+        """Per-rank inputs without gather_outputs: every rank's row count, from one small all-gather."""
         g = self._group
         mine = torch.tensor([rows], dtype=torch.int64, device=g.comm_device)
         everyone = [torch.empty_like(mine) for _ in range(g.world)]
@@ -253,7 +250,7 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
                 raise error
             return self._keep_step(record, ran_forward=False)
         args, kw = self._take_share(plan, inputs, kwargs)
-        first = _first_with_rows(plan) if self.inputs == "global" else 0
+        first = plan.replicas[0][0] if self.inputs == "global" and plan.mode == "split" else 0  # buffers' source
         share, rows = self._call.share, self._call.pending_rows
         if self.check_batch != "values" and (share is not None if self.inputs == "global" else bool(rows)):
             self._kept.planned(plan, record if self.check_batch else None, share, first)
@@ -262,7 +259,8 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
         return self._run_share(record, args, kw, first)
 
     def _run_share(self, record: StepRecord, args: tuple, kw: dict, first: int) -> Any:
-        """Run this rank's share of the call through torch's DDP forward, then the step's check."""
+        """Run this rank's share through torch's DDP forward, then the step's check (where every rank raises
+        when one's module raised: each its own error when every rank's did)."""
         log = self._call.log = CollectiveLog(keep_results=self._call.empty is not None)
         self._call.ghost_error = None
         try:
@@ -270,6 +268,12 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
                 outputs = self._ddp_forward(args, kw)
         except _ShareRefused as refused:
             record.fail(EMPTY_REFUSED, refused.error)
+            return self._keep_step(record, ran_forward=True)
+        except Exception as exc:  # the others wait in the step's collectives: issue the rest, then the check
+            if not self.check_batch:
+                raise
+            record.fail(MODULE_RAISED, exc)
+            replay((self._checks.trace or [])[len(log.entries) :])
             return self._keep_step(record, ran_forward=True)
         if self._call.ghost_error is not None:
             record.fail(GHOST_COUNTED, self._call.ghost_error)
@@ -385,11 +389,6 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
         if self.gather_outputs:
             parts.append("gather_outputs=True")
         return ", ".join(parts)
-
-
-def _first_with_rows(plan: CallPlan) -> int:
-    """The first rank with rows (DDP's buffers come from it at the next forward); 0 when nothing was split."""
-    return plan.replicas[0][0] if plan.mode == "split" else 0
 
 
 def _per_rank_share(rank: int, rows: Sequence[int]) -> Share:

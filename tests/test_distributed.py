@@ -314,54 +314,48 @@ def _mismatched_batch():
 
 
 def _kept_calls(gather, inputs="global"):
-    """Steps of one structure and shape are planned three times (twice by the full walk, then along the skeleton
-    the second made, which keeps the call) and then taken from the kept call (no planning),
-    and still train exactly as the full batch; a rank whose next call differs (the others' is still like the kept
-    one) makes every rank raise, and the group is usable afterwards."""
+    """Steps of one structure are planned by the program their first call compiled, and still train exactly as
+    the full batch; a rank whose next call differs (a program of its own) makes every rank raise, and the group is
+    usable afterwards."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     module = Losses().to(DT)
     ref = copy.deepcopy(module)
     ddp = dpfast.DistributedDataParallel(module, out_dims=("mean", "sum", 0), gather_outputs=gather, inputs=inputs)
     mine = shard_range(5, rank, world) if inputs == "per_rank" else slice(None)
-    planned = []
-    real_plan = dpfast.distributed.module.plan_call
-    dpfast.distributed.module.plan_call = lambda *a, **k: planned.append(1) or real_plan(*a, **k)
-    try:
-        g = torch.Generator().manual_seed(7)
-        for step in range(5):
-            x, y = torch.randn(5, 4, dtype=DT, generator=g), torch.randn(5, 2, dtype=DT, generator=g)
-            ddp.zero_grad()
-            ref.zero_grad()
-            out = ddp(x[mine], y[mine])
-            with solo_context():
-                expected = ref(x, y)
-            if gather:
-                assert_tree_close(out, expected, f"step {step}: gathered outputs")
-                losses_loss(out).backward()
-            else:  # this rank's rows: a per-sample-mean loss scaled to the full batch's gradient
-                s = ddp.share
-                assert_tree_close(out[2], expected[2][s.start : s.stop], f"step {step}: this rank's outputs")
-                (out[0] * ddp.loss_scale).backward()
-            (expected[0] if not gather else losses_loss(expected)).backward()
-            got, want = grads(ddp.module), grads(ref)
-            for name in want:
-                torch.testing.assert_close(got[name], want[name], msg=lambda m, n=name, s=step: f"step {s}, {n}: {m}")
-        assert len(planned) == 3, planned  # the full walk twice, then along the skeleton: kept; then taken
-        x, y = (t[mine] for t in xy(5))
-        if rank == world - 1:  # (per-rank shares may differ in rows, not in dtype)
-            x, y = xy(4) if inputs == "global" else (x, y.float())
+    g = torch.Generator().manual_seed(7)
+    for step in range(5):
+        x, y = torch.randn(5, 4, dtype=DT, generator=g), torch.randn(5, 2, dtype=DT, generator=g)
+        ddp.zero_grad()
+        ref.zero_grad()
+        out = ddp(x[mine], y[mine])
+        with solo_context():
+            expected = ref(x, y)
+        if gather:
+            assert_tree_close(out, expected, f"step {step}: gathered outputs")
+            losses_loss(out).backward()
+        else:  # this rank's rows: a per-sample-mean loss scaled to the full batch's gradient
+            s = ddp.share
+            assert_tree_close(out[2], expected[2][s.start : s.stop], f"step {step}: this rank's outputs")
+            (out[0] * ddp.loss_scale).backward()
+        (expected[0] if not gather else losses_loss(expected)).backward()
+        got, want = grads(ddp.module), grads(ref)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], msg=lambda m, n=name, s=step: f"step {s}, {n}: {m}")
+    programs = ddp._specs.programs
+    assert programs.compiled == 1, programs.compiled  # the first step's program ran every later step
+    x, y = (t[mine] for t in xy(5))
+    if rank == world - 1:  # (per-rank shares may differ in rows, not in dtype)
+        x, y = xy(4) if inputs == "global" else (x, y.float())
 
-        def call():
-            out = ddp(x, y)
-            (losses_loss(out) if gather else out[0]).backward()  # without gather_outputs backward checks
+    def call():
+        out = ddp(x, y)
+        (losses_loss(out) if gather else out[0]).backward()  # without gather_outputs backward checks
 
-        expect_batch_error(call, ("B differs across ranks",) if inputs == "global" else ())
-        assert len(planned) == 3 + (rank == world - 1)  # the others' call was like the kept one
-        out = ddp(*(t[mine] for t in xy(5)))
-        (losses_loss(out) if gather else out[0]).backward()
-    finally:
-        dpfast.distributed.module.plan_call = real_plan
+    expect_batch_error(call, ("B differs across ranks",) if inputs == "global" else ())
+    assert programs.compiled == 1 + (inputs == "per_rank" and rank == world - 1)  # (a dtype is another key)
+    out = ddp(*(t[mine] for t in xy(5)))
+    (losses_loss(out) if gather else out[0]).backward()
 
 
 def _one_rank_bad_inputs():

@@ -36,7 +36,7 @@ def _adjoint_is_the_all_reduce_cut(counts: bool, expanded: bool = False) -> None
     """``expanded``: every gradient one element broadcast (strides 0), as ``out.sum().backward()`` gives."""
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = ROWS[world]
-    got, _ = sort_outputs(_local(rows[rank], counts or rank != 1), OUT_DIMS, 0, True)
+    got = sort_outputs(_local(rows[rank], counts or rank != 1), OUT_DIMS, 0, True)
     layout = got.layout
     sizes = [r[0] for r in rows]
     mean_w = [s / sum(sizes) for s in sizes]

@@ -1,8 +1,8 @@
-"""dpfast.distributed.output_layout: the layout ``gather_outputs=True`` sends one call's outputs by, kept for the
-next call's outputs while they read the same. A kept layout is never served for outputs the full walk would sort
-otherwise: for every call, what :class:`KeptExchange` gives is what :func:`sort_outputs` gives, and any change
-(structure, keys, a leaf's kind, a tensor's size, dtype, requires_grad or device, a tensor subclass, a number under
-"sum"/"mean") is walked in full. No process group is needed: sorting is this rank's own work."""
+"""dpfast.distributed.output_layout: the layout ``gather_outputs=True`` sends one call's outputs by, kept by the
+outputs' key and shapes. A kept layout is never served for outputs the full walk would sort otherwise: for every
+call, what :class:`ExchangeLayouts` gives is what :func:`sort_outputs` gives, and any change (structure, keys, a
+leaf's kind, a tensor's size, dtype, requires_grad or device, a tensor subclass) has a layout of its own; a number
+under "sum"/"mean" is sent with this call's value. No process group is needed: sorting is this rank's own work."""
 
 from __future__ import annotations
 
@@ -11,11 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpfast.distributed.output_layout import KeptExchange, Placement, sort_outputs
-from dpfast.ext.loader import LOADED
+from dpfast.distributed.output_layout import ExchangeLayouts, Placement, sort_outputs
 from dpfast.trees.flatten import unflatten
-
-pytestmark = pytest.mark.skipif(not LOADED, reason="a kept layout reads tensor facts through the compiled extension")
 
 
 def _outputs(kind: int, rows: int, width: int, dtype: torch.dtype, grad: bool, extra: object):
@@ -51,9 +48,11 @@ def _same(got, want):
     tree that rebuilds the same structure."""
     a, b = got.layout, want.layout
     fields = ("slots", "kinds", "reductions", "axes", "shapes", "dtypes", "devices", "desc", "fp", "n_cat")
-    for field in fields + ("tensor_leaves", "move_axes", "is_cat"):
+    for field in fields + ("tensor_leaves",):
         assert getattr(a, field) == getattr(b, field), field
-    assert all(x is y for x, y in zip(got.tensors, want.tensors)) and len(got.tensors) == len(want.tensors)
+    assert len(got.tensors) == len(want.tensors)
+    for x, y in zip(got.tensors, want.tensors):  # the very tensors (a number: a tensor of its value)
+        assert x is y or (x.dim() == 0 and torch.equal(x, y) and x.dtype == y.dtype)
     assert all(x is y for x, y in zip(got.values, want.values)) and len(got.values) == len(want.values)
     assert type(unflatten(got.tdef, got.values)) is type(unflatten(want.tdef, want.values))
 
@@ -63,18 +62,18 @@ def _same(got, want):
 def test_a_kept_layout_sorts_as_the_full_walk(sequence):
     """Over a sequence of outputs (each three times in a row), every sort equals the full walk's, and a repeated
     one is sorted by the kept layout (the very object)."""
-    kept, reused = KeptExchange(), 0
+    kept, reused = ExchangeLayouts(), 0
     for params in sequence:
-        for repeat in range(3):
+        before = None
+        for _ in range(3):
             out = _outputs(*params)
-            before = kept.layout
             got = kept.sort(out, _spec(out), 0, True)
-            want, _ = sort_outputs(out, _spec(out), 0, True)
-            _same(got, want)
-            if repeat and before is not None:
-                assert got.layout is before, "outputs like the last ones were walked again"
+            _same(got, sort_outputs(out, _spec(out), 0, True))
+            if before is not None:
+                assert got.layout is before, "outputs like the last ones were sorted again"
                 reused += 1
-    assert reused >= len(sequence)
+            before = got.layout
+    assert reused == 2 * len(sequence)
 
 
 BASE = (2, 4, 3, torch.float32, False, 1)
@@ -90,48 +89,48 @@ CHANGES = {
 
 @pytest.mark.parametrize("change", list(CHANGES))
 def test_each_change_is_walked_in_full(change):
-    kept = KeptExchange()
+    kept = ExchangeLayouts()
     out = _outputs(*BASE)
-    kept.sort(out, _spec(out), 0, True)
-    layout = kept.layout
-    assert layout is not None
+    layout = kept.sort(out, _spec(out), 0, True).layout
     changed = _outputs(*CHANGES[change])
     got = kept.sort(changed, _spec(changed), 0, True)
     assert got.layout is not layout
-    _same(got, sort_outputs(changed, _spec(changed), 0, True)[0])
+    _same(got, sort_outputs(changed, _spec(changed), 0, True))
 
 
 def test_another_device_another_key_or_a_subclass_is_walked_in_full():
-    kept = KeptExchange()
+    kept = ExchangeLayouts()
     y = torch.randn(4, 3)
-    kept.sort({"y": y, "z": y}, 0, 0, False)
-    layout = kept.layout
+    layout = kept.sort({"y": y, "z": y}, 0, 0, False).layout
     for other in (
         {"y": y, "z": y.to("meta")},  # another device: the exchange copies it back there
         {"y": y, "w": y},  # another key
         {"z": y, "y": y},  # the same keys in another order
-        {"y": y, "z": torch.nn.Parameter(y)},  # a tensor subclass: facts are read for plain tensors only
+        {"y": y, "z": torch.nn.Parameter(y)},  # a tensor subclass
         {"y": y, "z": (y,)},  # a leaf became a container
     ):
         got = kept.sort(other, 0, 0, False)
         assert got.layout is not layout, other
-        _same(got, sort_outputs(other, 0, 0, False)[0])
-        kept.sort({"y": y, "z": y}, 0, 0, False)
-        layout = kept.layout
+        _same(got, sort_outputs(other, 0, 0, False))
+        assert kept.sort({"y": y, "z": y}, 0, 0, False).layout is layout
 
 
-def test_numbers_under_a_reduction_are_never_kept():
-    """A number's value changes from call to call: its layout (which makes a tensor of it) is made every call."""
-    kept = KeptExchange()
-    for value in (1.5, 2.5):
+def test_numbers_under_a_reduction_are_sent_with_their_value():
+    """A number's value changes from call to call: its layout is kept, and each call sends its own value."""
+    kept, layouts = ExchangeLayouts(), set()
+    for value in (1.5, 2.5, 3.5):
         got = kept.sort((torch.randn(3, 2), value), (0, "mean"), 0, True)
-        assert kept.layout is None
+        layouts.add(id(got.layout))
         assert got.tensors[1].item() == value
+    assert len(layouts) == 1
+    with pytest.raises(ValueError, match="int64 cannot hold"):  # a kept layout still words a number it cannot send
+        for value in (1, 2**70):
+            kept.sort((torch.randn(3, 2), value), (0, "sum"), 0, True)
 
 
 def test_a_placement_puts_each_tensor_after_the_rows_aligned():
     """The payload: the "cat" rows (int64) first, then each tensor at a 16-byte boundary, sized by its rows."""
-    got, _ = sort_outputs(
+    got = sort_outputs(
         (torch.randn(5, 3), torch.zeros((), dtype=torch.float64), torch.ones(2, 5)), (0, "sum", 1), 0, True
     )
     place = got.layout.placement((5, 5))
@@ -142,7 +141,7 @@ def test_a_placement_puts_each_tensor_after_the_rows_aligned():
 
 def test_an_out_dims_edited_in_place_is_walked_again():
     """The kept layout is keyed on a copy of the spec it was sorted by: a spec changed in place is another spec."""
-    kept, spec = KeptExchange(), {"a": 0, "b": 0}
+    kept, spec = ExchangeLayouts(), {"a": 0, "b": 0}
     out = {"a": torch.randn(3, 2), "b": torch.randn(3, 2)}
     assert kept.sort(out, spec, 0, True).layout.kinds == ["cat", "cat"]
     spec["b"] = "sum"

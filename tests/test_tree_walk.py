@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import dpfast
-from dpfast.trees import specs as tree_specs
+from dpfast.trees import walk as tree_specs
 
 
 class Identity(nn.Module):

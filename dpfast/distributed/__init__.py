@@ -5,9 +5,9 @@ a batch or dataset, cut as the wrapper cuts it) and :class:`BalancedBatchSampler
 
 Modules: ``settings`` (the wrapper's settings, agreed at construction), ``agreement`` (what the ranks compare and
 the error every rank raises), ``checks`` and ``bucket_check`` (when they compare it: inside collectives the step
-runs anyway), ``sharding`` (a rank's share), ``kept_call`` (a call like the last one, cut without planning it
-again), ``sampler``, ``keeping_step`` (ranks without rows, ranks that cannot run their part), ``exchanges``,
-``output_layout``, ``exchange_calls`` and ``outputs`` (``gather_outputs``), ``module`` (the DDP subclass).
+runs anyway), ``sharding`` (a rank's share), ``sampler``, ``keeping_step`` (ranks without rows, ranks that cannot
+run their part), ``exchanges``, ``output_layout`` and ``outputs`` (``gather_outputs``), ``module`` (the DDP
+subclass).
 """
 
 from __future__ import annotations

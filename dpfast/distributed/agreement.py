@@ -9,17 +9,15 @@ differ, every rank calls :func:`raise_disagreement`, which gathers the ranks' re
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import ops
 from ..plan.call_plan import CallPlan
 from ..plan.errors import ScatterError
 from ..plan.render import shape_text
@@ -54,14 +52,30 @@ def fingerprint(items: Any) -> int:
     return int.from_bytes(h, "little", signed=True)
 
 
-@dataclasses.dataclass
 class StepRecord:
-    """One rank's forward as the checks see it: ``items`` (name -> text) are compared across ranks."""
+    """One rank's forward as the checks see it: its status, and ``items`` (name -> text), what the ranks compare,
+    by their fingerprint ``fp``. A step that runs gets its fingerprint from its call program's, which is made once
+    per key, and what each call adds (with the global batch: ``B``, the split, the split leaves' shapes); its items
+    are put into words only when the ranks disagree."""
 
-    status: int
-    error: BaseException | None
-    items: dict[str, str]
-    _fp: int | None = None
+    __slots__ = ("status", "error", "_items", "_fp", "_describe")
+
+    def __init__(
+        self,
+        status: int,
+        error: BaseException | None,
+        items: dict[str, str] | None = None,
+        fp: int | None = None,
+        describe: Callable[[], dict[str, str]] | None = None,
+    ) -> None:
+        self.status, self.error, self._items, self._fp, self._describe = status, error, items, fp, describe
+
+    @property
+    def items(self) -> dict[str, str]:
+        if self._items is None:
+            self._items = self._describe() if self._describe is not None else {}
+            self._describe = None  # (it holds the call's plan: let it go)
+        return self._items
 
     @property
     def fp(self) -> int:
@@ -123,55 +137,31 @@ def describe_step(plan: CallPlan | None, error: BaseException | None, per_rank: 
     return StepRecord(OK, None, items)
 
 
-class StepDescriber:
-    """:func:`describe_step` for one wrapper, keeping the record of a call read along a skeleton by what its texts
-    are made of: the skeleton (paths, specs, which leaves are tensors and every other leaf's type: a call is read
-    along it only when they match), ``B``, the split, and each tensor's shape, dtype and ``requires_grad`` (its
-    batch axis follows from its spec and shape). An ordinary step then neither writes a text per leaf nor hashes
-    them; the key holds no tensor."""
-
-    _KEEP = 64  # records kept (a workload of many shapes starts afresh rather than growing)
-
-    def __init__(self, per_rank: bool, hash_values: bool) -> None:
-        self.per_rank, self.hash_values = per_rank, hash_values
-        self._kept: dict[tuple, tuple[dict[str, str], int]] = {}
-
-    def __call__(self, plan: CallPlan | None, error: BaseException | None) -> StepRecord:
-        tree = None if plan is None else plan.tree
-        if tree is None or tree.split is None or tree.flat is None or self.hash_values or plan.balance is not None:
-            return describe_step(plan, error, self.per_rank, self.hash_values)
-        skeleton = tree.skeleton
-        facts = _tensor_facts(tree.flat, skeleton.tensors)
-        if facts is None:
-            return describe_step(plan, error, self.per_rank, self.hash_values)
-        key = (skeleton, plan.batch_size, tuple(plan.sizes), facts)
-        kept = self._kept.get(key)
-        if kept is not None:
-            return StepRecord(OK, None, kept[0], kept[1])
-        record = describe_step(plan, error, self.per_rank, self.hash_values)
-        if len(self._kept) >= self._KEEP:
-            self._kept.clear()
-        self._kept[key] = (record.items, record.fp)
-        return record
+def step_record(plan: CallPlan, per_rank: bool) -> StepRecord:
+    """The record of a forward that planned: its fingerprint from the call program's (made at the key's first
+    call: the structure, specs, dtypes, dims and batch axes) and, with the global batch, from what this call adds
+    (``B``, the split, the split leaves' shapes), all ints, hashed the same in every process. Its items are put
+    into words only when the ranks disagree."""
+    program, flat = plan.tree.program, plan.tree.flat
+    base = program.fingerprint
+    if base is None:
+        base = program.fingerprint = fingerprint(list(describe_step(plan, None, True, False).items.items()))
+    describe = functools.partial(_items, plan, per_rank)
+    if per_rank:
+        return StepRecord(OK, None, None, base, describe)
+    facts: list[int] = [-1 if plan.batch_size is None else plan.batch_size, plan.balance is not None, *plan.sizes, -2]
+    for i, kind in zip(program.mapped, program.kinds):
+        v = flat[i]
+        if kind == "tensor":
+            facts.extend(v.shape)
+            facts.append(-2)
+        else:  # a PackedSequence, items, a jagged or quantized tensor: its shape in words
+            facts.append(fingerprint(shape_text(v)))
+    return StepRecord(OK, None, None, hash((base, tuple(facts))), describe)
 
 
-def _tensor_facts(values: Sequence[Any], where: Sequence[int]) -> tuple | None:
-    """The sizes, dtype and ``requires_grad`` of the tensors at ``where``, in one flat tuple (no object per leaf
-    outlives the call); each dtype ends a tensor's sizes, so it decodes one way. None when one has no sizes (a
-    strided nested tensor passed whole): such a call is described in full."""
-    tensors = [values[i] for i in where]
-    facts = ops._tensor_facts(tensors)  # one call for every tensor
-    if facts is not None:
-        return facts
-    out: list = []
-    extend, append = out.extend, out.append
-    for v in tensors:
-        if v.is_nested:
-            return None
-        extend(v.shape)
-        append(v.dtype)
-        append(v.requires_grad)
-    return tuple(out)
+def _items(plan: CallPlan, per_rank: bool) -> dict[str, str]:
+    return describe_step(plan, None, per_rank, False).items
 
 
 def chain_row(records: Sequence[StepRecord]) -> list[int]:

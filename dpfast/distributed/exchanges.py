@@ -108,12 +108,8 @@ def through_input_grads(tree: Any, group: RankGroup, average: bool) -> dict:
 
     Only leaf tensors are scaled: the gradient of an input computed by an earlier call (a recurrent state fed back)
     flows on into that call's graph, where DDP's averaging already accounts for it."""
-    if tree.flat is not None:  # read along a skeleton: its tensors are known
-        flat = tree.flat
-        where = [i for i in tree.skeleton.tensors if flat[i].requires_grad and (average or flat[i].is_leaf)]
-    else:
-        flat = [leaf.value for leaf in tree.leaves]
-        where = [i for i, v in enumerate(flat) if isinstance(v, Tensor) and v.requires_grad and (average or v.is_leaf)]
+    flat = tree.flat
+    where = [i for i in tree.program.grad if average or flat[i].is_leaf]  # (the program knows which require grad)
     if not where:
         return {}
     values = [flat[i] for i in where]

@@ -31,7 +31,8 @@ from torch import Tensor, nn
 
 from ..run.collectives import all_gather, all_reduce, observe_process_group_collectives, observing
 from ..trees.flatten import unflatten
-from ..trees.specs import Leaf, Spec, match_spec
+from ..trees.specs import Leaf, Spec
+from ..trees.walk import walk
 from .agreement import EMPTY_REFUSED, GHOST_COUNTED, OK, error_line
 from .exchanges import ZeroOut
 
@@ -88,7 +89,7 @@ def zero_ghost_outputs(out: Any, out_dims: Spec, dim: int) -> Any:
     gradient (the graph still reaches the same parameters, so DDP's reducer sees them all)."""
     spec = dim if out_dims is None else out_dims
     leaves: list[Leaf] = []
-    tdef = match_spec(out, spec, "output", dim, out_dims is not None, "out_dims", leaves)
+    tdef, _, _ = walk(out, spec, "output", dim, out_dims is not None, "out_dims", leaves)
     values = []
     for leaf in leaves:
         v, s = leaf.value, leaf.spec

@@ -47,14 +47,13 @@ from torch.distributed.utils import _to_kwargs
 from ..plan.call_plan import CallPlan, plan_call
 from ..plan.errors import ScatterError
 from ..trees.specs import Spec
-from .agreement import EMPTY_REFUSED, GHOST_COUNTED, MODULE_RAISED, OK, StepDescriber, StepRecord
+from .agreement import EMPTY_REFUSED, GHOST_COUNTED, MODULE_RAISED, OK, StepRecord, describe_step, step_record
 from .bucket_check import BucketCheck, NativeBucketCheck, native_hook_available
 from .checks import StepChecks
 from .ddp_overrides import KeepingStepOverrides, _ShareRefused
 from .exchanges import RankGroup, through_input_grads
 from .keeping_step import CollectiveLog, EmptyShare, replay
-from .kept_call import KeptCalls
-from .output_layout import KeptExchange
+from .output_layout import ExchangeLayouts
 from .outputs import OutputsCall, gather_across_ranks
 from .settings import FIXED, agree_on_settings, check_settings, describe_settings
 from .sharding import Share, rank_call
@@ -69,7 +68,7 @@ class _CallState:
     empty: EmptyShare | None = None  # set for the forward of a rank that has no rows
     log: CollectiveLog | None = None  # the process-group collectives of the forward
     ghost_error: BaseException | None = None
-    exchange: KeptExchange = dataclasses.field(default_factory=KeptExchange)  # gather_outputs' capacity and layout
+    exchange: ExchangeLayouts = dataclasses.field(default_factory=ExchangeLayouts)  # gather_outputs' capacity, layouts
 
 
 class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataParallel):
@@ -157,7 +156,6 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
         comm = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
         self._group = RankGroup(self.process_group, self._rank, self._world, comm)
         self._checks = StepChecks(self._group, enabled=bool(check_batch))
-        self._describe = StepDescriber(inputs == "per_rank", check_batch == "values")
         self._bucket_check: BucketCheck | NativeBucketCheck | None = None
         if check_batch and not self.gather_outputs:
             c = self._checks
@@ -168,7 +166,6 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
                 self._bucket_check = BucketCheck(self._group, c.row, c.verify, c.agreed)
                 super().register_comm_hook(None, self._bucket_check.hook)
         self._call = _CallState()
-        self._kept = KeptCalls()  # the last call's plan, record and share, for a call like it
         self._settings_fixed = True
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -232,18 +229,8 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
         """
         if self._bucket_check is not None:
             self._bucket_check.read_deferred()  # CUDA: the last backward's check
-        kept = self._kept.take(self._specs, inputs, kwargs)
-        if kept is not None:  # a call like the last one: its record and share, and this rank's rows of it
-            args, kw, record = kept
-            last = self._kept.last
-            if record is None:  # (the checks are off)
-                record = StepRecord(OK, None, {})
-            self._checks.begin(record)
-            call, share = self._call, last.share
-            call.share, call.pending_rows, call.empty = share, (last.rows if share is None else None), None
-            return self._run_share(record, args, kw, last.first)
         plan, error = self._plan(inputs, kwargs)
-        record = self._describe(plan, error) if self.check_batch else StepRecord(OK, error, {})
+        record = self._record(plan, error)
         self._checks.begin(record)  # the first call is checked here, before anything runs (raises on every rank)
         if error is not None:
             if not self.check_batch:
@@ -251,12 +238,15 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
             return self._keep_step(record, ran_forward=False)
         args, kw = self._take_share(plan, inputs, kwargs)
         first = plan.replicas[0][0] if self.inputs == "global" and plan.mode == "split" else 0  # buffers' source
-        share, rows = self._call.share, self._call.pending_rows
-        if self.check_batch != "values" and (share is not None if self.inputs == "global" else bool(rows)):
-            self._kept.planned(plan, record if self.check_batch else None, share, first)
-        else:
-            self._kept.forget()
         return self._run_share(record, args, kw, first)
+
+    def _record(self, plan: CallPlan | None, error: BaseException | None) -> StepRecord:
+        """What the ranks compare of this forward (nothing with the checks off)."""
+        if not self.check_batch:
+            return StepRecord(OK, error, {})
+        if plan is None or self.check_batch == "values":
+            return describe_step(plan, error, self.inputs == "per_rank", self.check_batch == "values")
+        return step_record(plan, self.inputs == "per_rank")
 
     def _run_share(self, record: StepRecord, args: tuple, kw: dict, first: int) -> Any:
         """Run this rank's share through torch's DDP forward, then the step's check (where every rank raises

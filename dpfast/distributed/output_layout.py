@@ -1,13 +1,11 @@
 """What the output exchange of ``gather_outputs=True`` sends of one call's outputs, and where in the bytes.
 
 :func:`sort_outputs` walks the outputs with ``out_dims`` (as every rank must, the same way) into an
-:class:`OutputLayout` (what is fixed by the outputs' structure and their tensors' facts: each leaf's fate, each
-tensor's kind, axis, shape, dtype and device, the description every rank must agree on and its fingerprint) and
-this call's values. A training loop returns the same structure every step, so the wrapper keeps the last layout
-(:class:`KeptExchange`): outputs of the very same skeleton (:class:`~dpfast.trees.flatten.Skeleton`) whose tensors
-read the same (sizes, dtype, ``requires_grad``, device; one call into the extension) are sorted by it without the
-walk, the checks or the fingerprint. Anything else (a number under ``"sum"``/``"mean"``, whose value changes; a
-container a skeleton cannot keep; a tensor that is not a plain one) is walked in full every call.
+:class:`OutputLayout` (what is fixed by the outputs' structure and their tensors' facts and shapes: each leaf's
+fate, each tensor's kind, axis, shape, dtype and device, the description every rank must agree on and its
+fingerprint) and this call's values. The wrapper keeps the layouts it made (:class:`ExchangeLayouts`) by the
+outputs' key (:mod:`dpfast.trees.walk`) and their tensors' shapes: outputs seen before are walked once, for their
+key, and sorted by their layout.
 """
 
 from __future__ import annotations
@@ -22,10 +20,10 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
-from .. import ops
-from ..trees.containers import LEAF, TreeDef
-from ..trees.flatten import Skeleton, is_leaf, skeleton_of
-from ..trees.specs import Leaf, Spec, match_spec
+from ..plan.program import ProgramCache
+from ..trees.containers import TreeDef
+from ..trees.specs import Leaf, Spec
+from ..trees.walk import walk
 from .agreement import fingerprint
 from .exchanges import row_shape
 
@@ -65,8 +63,6 @@ class OutputLayout:
     fp: int = 0
     n_cat: int = 0
     tensor_leaves: list[int] = dataclasses.field(default_factory=list)  # per tensor: its leaf's position
-    move_axes: list[int] = dataclasses.field(default_factory=list)  # per tensor: the axis its rows go along, or 0
-    is_cat: list[bool] = dataclasses.field(default_factory=list)  # per tensor: whether it is a "cat" one
     spatial: list[int] = dataclasses.field(default_factory=list)  # the tensors of 4 or 5 dims (may be channels_last)
     _placements: dict = dataclasses.field(default_factory=dict)
     _grad_groups: list[list[int]] | None = None
@@ -120,13 +116,12 @@ class SortedOutputs:
     tensors: list[Tensor]
 
 
-def sort_outputs(out: Any, spec: Spec, dim: int, explicit: bool) -> tuple[SortedOutputs, Any]:
-    """``out`` walked with ``spec`` (the full walk, with every check); also the skeleton and tensor facts that key
-    its layout for the next call (None when it cannot be kept). Raises TypeError/ValueError naming the output."""
+def sort_outputs(out: Any, spec: Spec, dim: int, explicit: bool) -> SortedOutputs:
+    """``out`` walked with ``spec`` (with a record per leaf, and every check) and sorted for the exchange. Raises
+    TypeError/ValueError naming the output."""
     leaves: list[Leaf] = []
-    tdef = match_spec(out, spec, "output", dim, explicit, "out_dims", leaves)
+    tdef, values, _ = walk(out, spec, "output", dim, explicit, "out_dims", leaves)
     layout, tensors = OutputLayout(), []
-    keepable = True
     for leaf in leaves:
         v, s = leaf.value, leaf.spec
         if v is None or s is None:
@@ -138,44 +133,44 @@ def sort_outputs(out: Any, spec: Spec, dim: int, explicit: bool) -> tuple[Sorted
                 "out_dims None to keep this rank's own items"
             )
         elif isinstance(s, str):
-            keepable &= _reduced_leaf(layout, tensors, leaf)
+            _reduced_leaf(layout, tensors, leaf)
         else:
             _concatenated_leaf(layout, tensors, leaf)
     layout.fp = fingerprint(layout.desc)
     layout.n_cat = layout.kinds.count("cat")
     layout.tensor_leaves = [i for i, slot in enumerate(layout.slots) if slot[0] == "t"]
     layout.spatial = [i for i, shape in enumerate(layout.shapes) if len(shape) in (4, 5)]
-    sorted_ = SortedOutputs(layout, tdef, [leaf.value for leaf in leaves], tensors)
-    key = None
-    if keepable:
-        skeleton = skeleton_of(tdef, sorted_.values)
-        facts = _facts(tensors)
-        key = None if skeleton is None or facts is None else (skeleton, facts)
-    return sorted_, key
+    return SortedOutputs(layout, tdef, values, tensors)
 
 
-def _reduced_leaf(layout: OutputLayout, tensors: list, leaf: Leaf) -> bool:
-    """Sorts a leaf under "sum"/"mean"; whether its layout can be kept (not for a number: its value changes)."""
+def _reduced_leaf(layout: OutputLayout, tensors: list, leaf: Leaf) -> None:
+    """Sorts a leaf under "sum"/"mean" (a Python number is sent as a tensor: int64 for an int under "sum")."""
     v, s = leaf.value, leaf.spec
     if isinstance(v, Tensor):
         t, num = v, None
     elif isinstance(v, numbers.Number) and not isinstance(v, bool):
         num = type(v) if s == "sum" and isinstance(v, int) else float
-        try:
-            t = torch.tensor(v, dtype=torch.int64 if num is int else torch.float64)
-        except (RuntimeError, OverflowError, TypeError, ValueError) as exc:  # an int past int64, a complex number
+        t = _number_tensor(v, num)
+        if t is None:
             held = "int64" if num is int else "float64"
             raise ValueError(
                 f"output `{leaf.path}` is {v!r}, which {held} cannot hold: out_dims {s!r} gathers a Python number "
                 "as int64 (an int under 'sum') or float64; return it as a tensor of the dtype it needs"
-            ) from exc
+            )
     else:
         raise TypeError(
             f"output `{leaf.path}` is a {type(v).__name__}; out_dims {s!r} needs tensors or numbers from every rank"
         )
     layout.desc.append((leaf.path, s, tuple(t.shape), str(t.dtype)))
     _add(layout, tensors, t, num, "red", s, 0)
-    return num is None
+
+
+def _number_tensor(v: Any, num: type) -> Tensor | None:
+    """A Python number as the tensor the exchange sends (None: int64 or float64 cannot hold it)."""
+    try:
+        return torch.tensor(v, dtype=torch.int64 if num is int else torch.float64)
+    except (RuntimeError, OverflowError, TypeError, ValueError):  # an int past int64, a complex number
+        return None
 
 
 def _concatenated_leaf(layout: OutputLayout, tensors: list, leaf: Leaf) -> None:
@@ -206,59 +201,49 @@ def _add(layout: OutputLayout, tensors: list, t: Tensor, num: Any, kind: str, re
     layout.kinds.append(kind)
     layout.reductions.append(reduction)
     layout.axes.append(axis)
-    layout.move_axes.append(axis if kind == "cat" and t.dim() else 0)
-    layout.is_cat.append(kind == "cat")
     layout.shapes.append(tuple(t.shape))
     layout.dtypes.append(t.dtype)
     layout.devices.append(t.device)
 
 
-def _facts(tensors: list[Tensor]) -> tuple | None:
-    """What keys a layout of these tensors (sizes, dtype, ``requires_grad``, device); None: not plain tensors."""
-    facts = ops._tensor_facts(tensors)
-    return None if facts is None else (facts, tuple(t.device for t in tensors))
-
-
-class KeptExchange:
+class ExchangeLayouts:
     """What one wrapper's output exchange keeps from call to call: the bytes its first all-gather carries (the
-    ``capacity`` every rank computed from the last exchange's headers) and the last layout with the key it was
-    sorted under. Outputs of the same skeleton and facts, under an ``out_dims`` equal to the one they were sorted
-    by (a copy: a spec edited in place is another spec), are sorted by it again (:meth:`sort`); anything else is
-    walked in full, and its layout kept for the next call."""
+    ``capacity`` every rank computed from the last exchange's headers) and the layouts of the outputs it sorted,
+    by their key and their tensors' shapes (:mod:`dpfast.trees.walk`), under the ``out_dims`` they were sorted by
+    (a copy: a spec edited in place is another spec, and starts afresh)."""
 
-    __slots__ = ("capacity", "skeleton", "facts", "spec", "layout")
+    __slots__ = ("capacity", "spec", "layouts")
 
     def __init__(self) -> None:
         self.capacity = 0
-        self.skeleton: Any = None
-        self.facts: tuple | None = None
-        self.spec: tuple | None = None  # (out_dims, dim, explicit) the layout was sorted under
-        self.layout: OutputLayout | None = None
+        self.spec: tuple | None = None  # (out_dims, dim, explicit) the layouts were sorted under
+        self.layouts = ProgramCache()
 
     def sort(self, out: Any, spec: Spec, dim: int, explicit: bool) -> SortedOutputs:
-        """``out`` sorted for the exchange (by the kept layout when it reads the same, else walked in full)."""
-        if self.layout is not None and self.spec == (spec, dim, explicit):
-            got = self._read(out)
-            if got is not None:
-                return got
-        got, key = sort_outputs(out, spec, dim, explicit)
-        self.skeleton, self.facts = key if key is not None else (None, None)
-        self.layout = got.layout if key is not None else None
-        self.spec = (copy.deepcopy(spec), dim, explicit) if key is not None else None
+        """``out`` sorted for the exchange (by the layout of its key and shapes, made at their first call)."""
+        if self.spec != (spec, dim, explicit):
+            self.spec, self.layouts = copy.deepcopy((spec, dim, explicit)), ProgramCache()
+        tdef, values, key = walk(out, spec, "output", dim, explicit, "out_dims", None)
+        if key is not None:
+            key = (key, tuple(v.shape if isinstance(v, Tensor) else None for v in values))
+            layout = self.layouts.get(key)
+            if layout is not None:
+                got = _sorted_by(layout, tdef, values)
+                if got is not None:
+                    return got
+        got = sort_outputs(out, spec, dim, explicit)
+        if key is not None:
+            self.layouts.put(key, got.layout)
         return got
 
-    def _read(self, out: Any) -> SortedOutputs | None:
-        skeleton, layout = self.skeleton, self.layout
-        if type(skeleton) is Skeleton:
-            values: list = []
-            tdef = skeleton.read(out, values)
-            if tdef is None:
-                return None
-        elif is_leaf(skeleton, out):
-            tdef, values = LEAF, [out]
-        else:
+
+def _sorted_by(layout: OutputLayout, tdef: TreeDef, values: list) -> SortedOutputs | None:
+    """Outputs of the key and shapes ``layout`` was made for, sorted by it (None: a number it cannot send)."""
+    tensors = []
+    for i in layout.tensor_leaves:
+        num = layout.slots[i][2]
+        t = values[i] if num is None else _number_tensor(values[i], num)
+        if t is None:
             return None
-        tensors = [values[i] for i in layout.tensor_leaves]
-        if _facts(tensors) != self.facts:
-            return None
-        return SortedOutputs(layout, tdef, values, tensors)
+        tensors.append(t)
+    return SortedOutputs(layout, tdef, values, tensors)

@@ -8,9 +8,9 @@ row, whether it could sort its outputs, a fingerprint of their layout, its paylo
 buffer, its payload, when that fits the capacity the ranks agreed on at the previous exchange. Only when a payload
 does not fit (the first exchange, or larger outputs) does a second all-gather follow, sized from the headers; a
 disagreement found in the headers raises on every rank before anything is decoded. Where each output goes in the
-bytes is its layout (:mod:`dpfast.distributed.output_layout`), kept from call to call while the outputs read the
-same; the header and the payload's rows are read in one go, and a tensor whose every rank sent as many rows is
-read out of the gathered bytes in one piece.
+bytes is its layout (:mod:`dpfast.distributed.output_layout`), made once per key and shapes; the header and the
+payload's rows are read in one go, and a tensor whose every rank sent as many rows is read out of the gathered bytes
+in one piece.
 """
 
 from __future__ import annotations
@@ -23,14 +23,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..move.scatter import memory_order
 from ..trees.containers import LEAF
+from ..trees.facts import memory_order
 from ..trees.flatten import unflatten
 from ..trees.specs import Spec
-from . import exchange_calls
 from .agreement import NAME, DistributedBatchError, error_line, fingerprint
 from .exchanges import Exchange, GatheredOutputs, RankGroup
-from .output_layout import KeptExchange, OutputLayout, Placement, SortedOutputs, aligned
+from .output_layout import ExchangeLayouts, OutputLayout, Placement, SortedOutputs, aligned
 
 # step status, check fingerprint, forwards, gather status, layout fingerprint, bytes, rows, grad and formats
 HEADER_FIELDS = 8
@@ -56,23 +55,9 @@ def _write(buf: Tensor, ints: list[int], got: SortedOutputs | None, place: Place
 
 
 def _payload_bytes(
-    size: int, group: RankGroup, ints: list[int], got: SortedOutputs | None, place: Placement, base: int, whole: bool
+    size: int, group: RankGroup, ints: list[int], got: SortedOutputs | None, place: Placement, base: int
 ) -> Tensor:
-    """``size`` bytes to send: ``ints`` then (with ``got``) its tensors, as :func:`_write` puts them; in one call
-    into the extension where it can (``whole``: every tensor is sent whole, this rank's outputs count)."""
-    if got is None or whole:
-        tensors, layout = (got.tensors, got.layout) if got is not None else ((), None)
-        buf = exchange_calls.pack_payload(
-            size,
-            group.comm_device,
-            ints,
-            tensors,
-            layout.move_axes if layout is not None else (),
-            place.offsets if layout is not None else (),
-            base,
-        )
-        if buf is not None:
-            return buf
+    """``size`` bytes to send: ``ints`` then (with ``got``) its tensors, as :func:`_write` puts them."""
     buf = torch.zeros(size, dtype=torch.uint8, device=group.comm_device)
     _write(buf, ints, got, place, base)
     return buf
@@ -80,8 +65,7 @@ def _payload_bytes(
 
 def _ints(gathered: Tensor, count: int) -> list[list[int]]:
     """The first ``count`` int64 of every rank's gathered bytes."""
-    got = exchange_calls.int_rows(gathered, count)
-    return got if got is not None else gathered[:, : 8 * count].view(torch.int64).tolist()
+    return gathered[:, : 8 * count].view(torch.int64).tolist()
 
 
 def _gathered(group: RankGroup, send: Tensor) -> Tensor:
@@ -106,14 +90,13 @@ class _Exchanged:
 
 
 def _exchange_bytes(
-    group: RankGroup, header: list[int], got: SortedOutputs, rows: tuple, place: Placement, capacity: int, whole: bool
+    group: RankGroup, header: list[int], got: SortedOutputs, rows: tuple, place: Placement, capacity: int
 ) -> _Exchanged:
-    """Headers and payloads of every rank: one all-gather when every payload fits ``capacity`` (``whole``: this
-    rank's outputs count, and are sent whole)."""
+    """Headers and payloads of every rank: one all-gather when every payload fits ``capacity``."""
     n_cat = got.layout.n_cat
     fits = place.size <= capacity
     ints = header + list(rows) if fits else header
-    send = _payload_bytes(_HEADER_BYTES + capacity, group, ints, got if fits else None, place, _HEADER_BYTES, whole)
+    send = _payload_bytes(_HEADER_BYTES + capacity, group, ints, got if fits else None, place, _HEADER_BYTES)
     gathered = _gathered(group, send)
     width = HEADER_FIELDS + (n_cat if 8 * n_cat <= capacity else 0)  # the rows follow the header, if they fit
     ints = _ints(gathered, width)
@@ -126,10 +109,10 @@ def _exchange_bytes(
 
 
 def _second_round(
-    group: RankGroup, got: SortedOutputs, rows: tuple, place: Placement, sizes: Sequence[int], whole: bool
+    group: RankGroup, got: SortedOutputs, rows: tuple, place: Placement, sizes: Sequence[int]
 ) -> tuple[Tensor, list[tuple[int, ...]]]:
     """Every rank's payload when one did not fit the first all-gather: the gathered bytes and every rank's rows."""
-    send = _payload_bytes(max(sizes), group, list(rows), got, place, 0, whole)
+    send = _payload_bytes(max(sizes), group, list(rows), got, place, 0)
     gathered = _gathered(group, send)
     n_cat = got.layout.n_cat
     rows_all = _ints(gathered, n_cat) if n_cat else [[]] * group.world
@@ -143,9 +126,6 @@ def _decode(layout: OutputLayout, gathered: Tensor, base: int, rows: list[tuple]
     world = len(rows)
     if all(r == rows[0] for r in rows):  # one placement for every rank: each tensor is one block of the bytes
         place = layout.placement(rows[0])
-        got = exchange_calls.blocks(gathered, base, layout.dtypes, place.shapes, place.offsets, layout.is_cat)
-        if got is not None:
-            return [[b] if cat else list(b.unbind(0)) for b, cat in zip(got, layout.is_cat)]
         parts = []
         for kind, dtype, off, n, shape in zip(layout.kinds, layout.dtypes, place.offsets, place.nbytes, place.shapes):
             block = gathered[:, base + off : base + off + n].view(dtype).view((world, *shape))
@@ -180,7 +160,7 @@ class OutputsCall:
     verify: Callable[[list[list[int]]], None]  # raises on every rank when the ranks' check rows disagree
     sizes: Sequence[int] | None  # rows per rank of the global batch (() when nothing was split); None: per rank
     local_rows: int | None  # per-rank inputs: this rank's rows (None when nothing is split)
-    kept: KeptExchange
+    kept: ExchangeLayouts
 
 
 def gather_across_ranks(call: OutputsCall, out: Any, failed: bool) -> tuple[Any, list[int] | None]:
@@ -211,7 +191,7 @@ def gather_across_ranks(call: OutputsCall, out: Any, failed: bool) -> tuple[Any,
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in got.tensors)
     flags = int(needs_grad) | (_channels_last_bits(layout, got.tensors) << 1 if layout.spatial else 0)
     header = call.check_row + [1 if error is not None else 0, layout.fp, place.size, rows_field, flags]
-    ex = _exchange_bytes(g, header, got, rows, place, call.kept.capacity, active)
+    ex = _exchange_bytes(g, header, got, rows, place, call.kept.capacity)
     call.kept.capacity = ex.capacity
     headers = ex.headers
     call.verify([h[:3] for h in headers])  # a rank that could not plan or run its part: raised on every rank here
@@ -225,7 +205,7 @@ def gather_across_ranks(call: OutputsCall, out: Any, failed: bool) -> tuple[Any,
     if ex.gathered is not None:
         gathered, base, all_rows = ex.gathered, _HEADER_BYTES, ex.rows
     else:
-        (gathered, all_rows), base = _second_round(g, got, rows, place, [h[5] for h in headers], active), 0
+        (gathered, all_rows), base = _second_round(g, got, rows, place, [h[5] for h in headers]), 0
     parts = _decode(layout, gathered, base, all_rows)
     formats = _agreed_formats(layout, headers) if layout.spatial else {}
     return _assemble(call, got, all_rows, parts, per_rank, needs_grad, formats), per_rank

@@ -14,14 +14,14 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .. import ops
 from ..move.nested import scatter_jagged
 from ..move.scatter import scatter_packed
 from ..plan.call_plan import CallPlan, plan_call
 from ..plan.costs import CostSource
 from ..plan.splits import split_sizes, validate_chunk_sizes
 from ..trees.binding import Binding, BoundArguments
-from ..trees.specs import Leaf, Spec, validate_spec
+from ..trees.containers import packed_batch
+from ..trees.specs import Spec, validate_spec
 from .keeping_step import EmptyShare
 
 
@@ -50,73 +50,57 @@ class Share(NamedTuple):
         return self.stop - self.start
 
 
-def take_rows(
-    tree: BoundArguments, mapped: Sequence[Leaf], start: int, length: int, subs: dict | None = None
-) -> tuple[tuple, dict]:
-    """The call's ``(args, kwargs)`` with every mapped leaf cut to rows ``start:start+length`` along its axis.
+def take_rows(tree: BoundArguments, start: int, length: int, subs: dict | None = None) -> tuple[tuple, dict]:
+    """The call's ``(args, kwargs)`` with every leaf its program splits cut to rows ``start:start+length``.
 
     Tensors are narrowed (a view when the axis is 0, else made contiguous); PackedSequences are split by sequence in
     the caller's order with the code ``DataParallel`` uses. Everything else, spec ``None`` included, is passed as
     given. ``subs`` maps a leaf (by its position among the call's leaves) to the value to use instead (DDP: the
     input seen through the node that averages input gradients).
     """
-    values = _leaf_values(tree, subs)
-    for m in mapped:
-        value = values[m.index]
-        if m.is_packed:
-            if length == 0:
-                raise ValueError(f"`{m.path}` is a PackedSequence, which cannot hold zero sequences")
-            # sequences start:start+length; the other ranks' rows as (at most) two chunks, never an empty one
-            # (scatter_packed cannot pack zero sequences), so empty shares elsewhere and the ghost work too
-            ps = m.value
-            parts = [n for n in (start, length, m.size - start - length) if n]
-            values[m.index] = scatter_packed(ps, parts, [ps.data.device] * len(parts))[1 if start else 0]
-        elif m.is_items:
-            values[m.index] = value[start : start + length]
-        elif value.is_nested:  # jagged, split along axis 0 (the planning stage refuses the others)
-            if length == 0:
-                raise ValueError(f"`{m.path}` is a jagged nested tensor, which cannot hold zero samples")
-            parts = [n for n in (start, length, m.size - start - length) if n]
-            values[m.index] = scatter_jagged(value, parts, [value.device] * len(parts))[1 if start else 0]
+    program = tree.program
+    values = list(tree.flat)
+    for i, v in (subs or {}).items():
+        values[i] = v
+    for i, kind, axis in zip(program.mapped, program.kinds, program.axes):
+        value = values[i]
+        if kind == "items":
+            values[i] = value[start : start + length]
+        elif kind in ("packed", "jagged"):
+            values[i] = _cut_whole(tree, i, value, kind, start, length)
         else:
-            values[m.index] = _narrowed(value, m.axis, start, length)
+            values[i] = _narrowed(value, axis, start, length)
     return tree.rebuild(values)
 
 
-def _leaf_values(tree: BoundArguments, subs: dict | None) -> list:
-    """The call's leaf values in order (a tree read along a skeleton holds them without Leaf records), with
-    ``subs`` in place."""
-    values = list(tree.flat) if tree.flat is not None else [leaf.value for leaf in tree.leaves]
-    for i, v in (subs or {}).items():
-        values[i] = v
-    return values
+def _cut_whole(tree: BoundArguments, i: int, value: Any, kind: str, start: int, length: int) -> Any:
+    """Rows ``start:start+length`` of a PackedSequence or a jagged nested tensor: the other ranks' rows as (at most)
+    two chunks, never an empty one (neither can hold zero samples), so empty shares elsewhere and the ghost work."""
+    if length == 0:
+        what = (
+            "a PackedSequence, which cannot hold zero sequences"
+            if kind == "packed"
+            else ("a jagged nested tensor, which cannot hold zero samples")
+        )
+        raise ValueError(f"`{tree.leaves[i].path}` is {what}")
+    total = packed_batch(value) if kind == "packed" else value.shape[0]
+    parts = [n for n in (start, length, total - start - length) if n]
+    device = value.data.device if kind == "packed" else value.device
+    cut = scatter_packed if kind == "packed" else scatter_jagged
+    return cut(value, parts, [device] * len(parts))[1 if start else 0]
 
 
 def cut_rows(plan: CallPlan, start: int, length: int, subs: dict | None = None) -> tuple[tuple, dict]:
-    """:func:`take_rows` of a planned call. A call read along the last call's skeleton splits plain dense tensors
-    only, which it cuts from planning's marks without making a Leaf record per leaf (the same views)."""
-    tree = plan.tree
-    if tree.split is None or tree.skeleton is None:
-        return take_rows(tree, plan.mapped, start, length, subs)
-    values = _leaf_values(tree, subs)
-    axes, _ = tree.split
-    where = tree.skeleton.tensors
-    if not cut_into(values, where, axes, start, length):  # (a torch-function mode sees each narrow; rows outside
-        for i, axis in zip(where, axes):  # a tensor raise torch's error)
-            if axis >= 0:
-                values[i] = _narrowed(values[i], axis, start, length)
-    return tree.rebuild(values)
+    """:func:`take_rows` of a planned call."""
+    return take_rows(plan.tree, start, length, subs)
 
 
-def cut_into(values: list, where: Sequence[int], axes: Sequence[int], start: int, length: int) -> bool:
-    """The tensors ``values[where[k]]`` cut to rows ``start:start+length`` along ``axes[k]`` (-1: left as they are),
-    in place, by one call into the extension; False (``values`` unchanged) when it declines."""
-    cut = ops._narrow_many([values[i] for i in where], axes, start, length)
-    if cut is None:
-        return False
-    for i, v in zip(where, cut):
+def _with(tree: BoundArguments, subs: dict) -> tuple[tuple, dict]:
+    """The call's ``(args, kwargs)`` as given, but for ``subs``."""
+    values = list(tree.flat)
+    for i, v in subs.items():
         values[i] = v
-    return True
+    return tree.rebuild(values)
 
 
 def _narrowed(t: torch.Tensor, axis: int, start: int, length: int) -> torch.Tensor:
@@ -151,13 +135,13 @@ def rank_call(
     """Rank ``rank``'s part of ``plan``: its rows of the global batch, or (``per_rank``) the inputs as given.
     ``subs`` replaces inputs by their views for the input-gradient node; ``move`` puts a ghost on the device."""
     if per_rank:
-        args, kw = take_rows(plan.tree, [], 0, 0, subs) if subs else (inputs, kwargs)
+        args, kw = _with(plan.tree, subs) if subs else (inputs, kwargs)
         rows = plan.batch_size
         if rows is None:  # nothing to split on any rank (the ranks check it): as with the global batch
             return RankCall(args, kw, Share(rank, world, None, (), 0, 0))
         return RankCall(args, kw, None, rows, EmptyShare((args, kw), None) if rows == 0 else None)
     if plan.mode != "split":  # nothing to split, or B == 0: every rank runs the whole input; rank 0's counts
-        args, kw = take_rows(plan.tree, [], 0, 0, subs) if subs else (inputs, kwargs)
+        args, kw = _with(plan.tree, subs) if subs else (inputs, kwargs)
         return RankCall(args, kw, Share(rank, world, plan.batch_size, (), 0, plan.batch_size or 0))
     share = _share_of(rank, world, plan.batch_size, tuple(plan.sizes))
     start, stop = share.start, share.stop

@@ -17,80 +17,55 @@ from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from .. import ops
-from ..trees.containers import TreeDef, describe_value, is_namedtuple
-from ..trees.flatten import read_along, skeleton_of, unflatten
-from ..trees.specs import ITEMS, Leaf, Spec, match_spec
+from ..plan.program import ProgramCache
+from ..trees.containers import LEAF, TreeDef, describe_value, is_namedtuple, node_kind
+from ..trees.facts import inverse, memory_order
+from ..trees.flatten import unflatten
+from ..trees.specs import ITEMS, Leaf, Spec, path_text
+from ..trees.walk import walk
 from .nested import gather_jagged
-from .scatter import inverse, memory_order, move, move_all
+from .scatter import move, move_all
 
 
-class OutputSkeleton:
-    """The structure of the last outputs gathered under one ``out_dims`` (kept by the wrapper's settings, which a
-    changed ``out_dims`` or ``dim`` replaces): when every replica returns that very structure again, with a plain
-    tensor at every leaf under an int spec, the outputs are read along it and gathered in one call, without
-    walking specs or making a record per leaf. Anything else is gathered by the full walk."""
+class GatherProgram:
+    """What gathering decides about every leaf of outputs of one key (replica 0's, when every replica's is the
+    same): its spec and path; the leaves under an int spec are gathered in one call into the extension, the others
+    (and any the extension leaves) one by one, with their checks and messages."""
 
-    __slots__ = ("kept", "signature")
+    __slots__ = ("specs", "places", "plain")
 
-    def __init__(self) -> None:
-        # (skeleton, per leaf its int spec, per leaf (path, explicit)), replaced whole: calls from other threads
-        # read one consistent triple
-        self.kept: tuple[Any, list[int], list[tuple[Any, bool]]] | None = None
-        self.signature: tuple | None = None
+    def __init__(self, leaves: Sequence[Leaf]) -> None:
+        self.specs = [leaf.spec for leaf in leaves]
+        self.places = [(leaf._where, leaf.explicit) for leaf in leaves]  # for a record, when a leaf needs one
+        self.plain = [k for k, s in enumerate(self.specs) if type(s) is int]
 
-    def remember(self, tdef: TreeDef, leaves: list[Leaf]) -> None:
-        """Keep the structure of outputs the full walk just gathered, once the same count of leaves came twice in a
-        row (a workload whose outputs change every call never pays for a skeleton)."""
-        signature = (tdef.kind, len(leaves))
-        if self.signature == signature and all(
-            type(leaf.spec) is int and type(leaf.value) is Tensor for leaf in leaves
-        ):
-            skeleton = skeleton_of(tdef, [leaf.value for leaf in leaves])
-            if skeleton is not None:
-                specs = [leaf.spec for leaf in leaves]
-                self.kept = (skeleton, specs, [(leaf._where, leaf.explicit) for leaf in leaves])
-        self.signature = signature
-
-    def gather(self, outputs: Sequence[Any], device: torch.device, sizes: Sequence[int]) -> Any:
-        """The outputs read along the skeleton and gathered, or :data:`_AGAIN` when nothing is kept, or they have
-        another structure or anything but plain tensors (the full walk then gathers them)."""
-        kept = self.kept
-        if kept is None:
-            return _AGAIN
-        skeleton, specs, paths = kept
-        columns, tdef = [], None
-        for out in outputs:
-            flat: list = []
-            defs: list = []
-            if not read_along((skeleton,), (out,), flat, defs):
-                return _AGAIN
-            tdef = defs[0] if tdef is None else tdef  # replica 0's structure: the result's
-            columns.append(flat)
-        done = ops._gather_many(columns, specs, device, list(sizes))
-        if done is None:
-            return _SAME_STRUCTURE
-        outs, follows, all_done = done
-        if not all_done:  # a leaf the extension left (0-dim outputs, stacked...), or a warning: leaf by leaf
-            weights = _weights(sizes)
-            for k, (out, ok, (where, explicit)) in enumerate(zip(outs, follows, paths)):
-                if out is None or not ok:
-                    leaf = Leaf(where, columns[0][k], specs[k], explicit, -1, k, tuple(c[k] for c in columns[1:]))
-                    outs[k] = _leaf_result(leaf, out, ok, device, weights, sizes)
-        return unflatten(tdef, outs)
-
-
-def _leaf_result(
-    leaf: Leaf, out: Tensor | None, follows: bool, device: torch.device, weights: list[float], sizes: Sequence[int]
-) -> Any:
-    """A leaf's result from what the extension made of it: gathered here where it left the leaf (None), or its
-    result, warned about where the chunks do not follow the call's sizes."""
-    if out is None:
-        return _gather_leaf(leaf, [leaf.value, *leaf.others], device, weights, sizes)
-    return out if follows else _warned(leaf, out, sizes)
-
-
-_AGAIN = object()  # OutputSkeleton.gather: the full walk must gather these outputs
-_SAME_STRUCTURE = object()  # ... and they have the kept structure, which stays kept (the same one would be made)
+    def run(self, columns: Sequence[list], device: torch.device, sizes: Sequence[int]) -> list:
+        """Every leaf combined from ``columns`` (replica ``r``'s leaf values: ``columns[r]``)."""
+        n = len(self.specs)
+        outs: list = [None] * n
+        follows: list = [None] * n
+        plain = self.plain
+        if plain:
+            picked = [[col[k] for k in plain] for col in columns] if len(plain) < n else columns
+            done = ops._gather_many(picked, [self.specs[k] for k in plain], device, list(sizes))
+            if done is not None and done[2] and len(plain) == n:
+                return done[0]  # every leaf gathered, every one following the call's sizes
+            if done is not None:
+                for k, out, ok in zip(plain, done[0], done[1]):
+                    outs[k], follows[k] = out, ok
+        weights = _weights(sizes)
+        for k in range(n):
+            out, ok = outs[k], follows[k]
+            if out is not None and ok:
+                continue
+            where, explicit = self.places[k]
+            leaf = Leaf(where, columns[0][k], self.specs[k], explicit, -1, k)
+            values = [col[k] for col in columns]
+            if out is None:
+                outs[k] = _gather_leaf(leaf, values, device, weights, sizes)
+            else:
+                outs[k] = _warned(leaf, out, values, sizes)
+        return outs
 
 
 def gather_outputs(
@@ -99,7 +74,7 @@ def gather_outputs(
     dim: int,
     device: torch.device,
     sizes: Sequence[int],
-    kept: OutputSkeleton | None = None,
+    programs: ProgramCache | None = None,
 ) -> Any:
     """Combine the replicas' outputs leaf by leaf as ``out_dims`` says, onto ``device``.
 
@@ -108,30 +83,56 @@ def gather_outputs(
     come back once when every replica returned an equal value, else as a list with one value per replica);
     ``"items"``: the replicas' sequences concatenated; ``None``: replica 0's value; ``"sum"``; ``"mean"``:
     weighted by each replica's share of the batch, so a per-sample-mean loss equals the full-batch mean even when
-    the split is uneven. ``kept``: the structure of earlier outputs under this very ``out_dims`` and ``dim``, to
-    gather outputs of the same structure without walking them (and to keep this call's).
+    the split is uneven. ``programs``: the gather programs of earlier outputs under this very ``out_dims`` and
+    ``dim``, by key (outputs of a key seen before are gathered by its program, and a new key's is kept).
     """
-    if kept is not None:
-        result = kept.gather(outputs, device, sizes)
-        if result is not _AGAIN and result is not _SAME_STRUCTURE:
-            return result
-        if result is _SAME_STRUCTURE:
-            kept = None
-    spec = dim if out_dims is None else out_dims
-    leaves: list[Leaf] = []
-    # one walk over every replica's output: replica 0's leaves, each with the others' values at the same place
-    # (a list of ids every replica passed through is one leaf, not one per id)
-    tdef = match_spec(
-        outputs[0], spec, "output", dim, out_dims is not None, "out_dims", leaves, tuple(outputs[1:]), whole_atoms=True
-    )
-    weights = _weights(sizes)
-    gathered, follows = _gather_plain(leaves, device, sizes)
-    result = unflatten(
-        tdef, [_leaf_result(leaf, out, ok, device, weights, sizes) for leaf, out, ok in zip(leaves, gathered, follows)]
-    )
-    if kept is not None:
-        kept.remember(tdef, leaves)
-    return result
+    spec, explicit = (dim if out_dims is None else out_dims), out_dims is not None
+    # (a gather program depends on the outputs' structure only: the tensors' facts are checked as they are gathered)
+    walks = [walk(out, spec, "output", dim, explicit, "out_dims", None, facts=False) for out in outputs]
+    key = walks[0][2]
+    same = key is not None and all(w[2] == key for w in walks[1:])
+    if not same:
+        _check_same_structure(walks, outputs)
+    program = programs.get(key) if same and programs is not None else None
+    if program is None:
+        records: list[Leaf] = []
+        walk(outputs[0], spec, "output", dim, explicit, "out_dims", records)
+        program = GatherProgram(records)
+        if same and programs is not None:
+            programs.put(key, program)
+    return unflatten(walks[0][0], program.run([w[1] for w in walks], device, sizes))
+
+
+def _check_same_structure(walks: Sequence[tuple], outputs: Sequence[Any]) -> None:
+    """Raise, naming the first place where a replica's outputs have another structure than replica 0's."""
+    for r, (tdef, values, _) in enumerate(walks[1:], start=1):
+        where = _first_difference(walks[0][0], walks[0][1], tdef, values)
+        if where is not None:
+            path, mine, theirs = where
+            raise ValueError(
+                f"replicas returned different output structures: replica 0 returned {describe_value(mine)}, "
+                f"replica {r} returned {describe_value(theirs)} at `{path}`; every replica must return the same "
+                "structure"
+            )
+
+
+def _first_difference(a: TreeDef, a_leaves: list, b: TreeDef, b_leaves: list) -> tuple[str, Any, Any] | None:
+    """``(path, a's value, b's value)`` where two walked values first differ in structure, or None."""
+    stack: list[tuple[TreeDef, TreeDef, Any]] = [(a, b, "output")]
+    ia = ib = 0
+    while stack:
+        x, y, where = stack.pop()
+        if x is LEAF or y is LEAF:
+            if x is not y:
+                mine = a_leaves[ia] if x is LEAF else x.orig
+                theirs = b_leaves[ib] if y is LEAF else y.orig
+                return path_text(where), mine, theirs
+            ia, ib = ia + 1, ib + 1
+            continue
+        if x.kind != y.kind or type(x.orig) is not type(y.orig) or list(x.keys) != list(y.keys):
+            return path_text(where), x.orig, y.orig
+        stack.extend(reversed([(cx, cy, (where, x.kind, k)) for k, cx, cy in zip(x.keys, x.children, y.children)]))
+    return None
 
 
 def _weights(sizes: Sequence[int]) -> list[float]:
@@ -140,30 +141,9 @@ def _weights(sizes: Sequence[int]) -> list[float]:
     return [s / total for s in sizes] if total > 0 else [1.0 / len(sizes)] * len(sizes)
 
 
-def _gather_plain(leaves: Sequence[Leaf], device: torch.device, sizes: Sequence[int]) -> tuple[list, list]:
-    """Every leaf under an int spec whose replicas returned plain dense tensors, gathered in one call into the
-    extension (ops.gather per leaf, without a Python round trip each); None for the others, which
-    :func:`_gather_leaf` combines one by one, with its checks and messages."""
-    none = [None] * len(leaves)
-    picked = [leaf for leaf in leaves if type(leaf.spec) is int]
-    if not picked:
-        return none, none
-    columns = [[leaf.value for leaf in picked]]
-    columns += [[leaf.others[r] for leaf in picked] for r in range(len(picked[0].others))]
-    done = ops._gather_many(columns, [leaf.spec for leaf in picked], device, list(sizes))
-    if done is None:
-        return none, none
-    if len(picked) == len(leaves):
-        return done[0], done[1]
-    gathered, follows = list(none), list(none)
-    for leaf, out, ok in zip(picked, done[0], done[1]):
-        gathered[leaf.index], follows[leaf.index] = out, ok
-    return gathered, follows
-
-
-def _warned(leaf: Leaf, out: Tensor, sizes: Sequence[int]) -> Tensor:
+def _warned(leaf: Leaf, out: Tensor, values: list, sizes: Sequence[int]) -> Tensor:
     """A plain leaf gathered whose replicas' sizes along its axis are not the chunk sizes: maybe a warning."""
-    _warn_if_batch_elsewhere(leaf, leaf.spec, leaf.spec % out.dim(), [leaf.value, *leaf.others], sizes)
+    _warn_if_batch_elsewhere(leaf, leaf.spec, leaf.spec % out.dim(), values, sizes)
     return out
 
 
@@ -182,7 +162,7 @@ def _gather_leaf(leaf: Leaf, values: list, device: torch.device, weights: list[f
         return gather_packed(values, device)
     if not any(isinstance(v, (Tensor, PackedSequence)) for v in values):
         # non-tensor outputs (a tag, a count): once when every replica agrees, else one value per replica
-        return values[0] if _all_equal(values) else list(values)
+        return _non_tensors(leaf, values)
     if not all(isinstance(v, Tensor) for v in values):
         kinds = sorted({type(v).__name__ for v in values})
         raise TypeError(
@@ -295,6 +275,29 @@ def _warn_if_batch_elsewhere(leaf: Leaf, spec: int, axis: int, values: list, siz
             UserWarning,
             stacklevel=4,
         )
+
+
+def _non_tensors(leaf: Leaf, values: list) -> Any:
+    """Non-tensor outputs under an int spec: once when every replica returned an equal value, else one value per
+    replica. A container of numbers and strings (one leaf) goes by element, as its elements would: each once where
+    the replicas agree on it."""
+    ref = values[0]
+    if all(v is ref for v in values) or _all_equal(values):
+        return ref
+    kind = node_kind(ref)
+    if kind is None or any(type(v) is not type(ref) for v in values):
+        return list(values)
+    keys = list(ref) if kind == "dict" else None
+    for r, v in enumerate(values):
+        if (list(v) != keys) if kind == "dict" else len(v) != len(ref):
+            raise ValueError(
+                f"replicas returned different output structures: replica 0 returned {describe_value(ref)}, replica "
+                f"{r} returned {describe_value(v)} at `{leaf.path}`; every replica must return the same structure"
+            )
+    if kind == "dict":
+        return type(ref)({k: _non_tensors(leaf, [v[k] for v in values]) for k in keys})
+    items = [_non_tensors(leaf, [v[i] for v in values]) for i in range(len(ref))]
+    return items if type(ref) is list else type(ref)(items)
 
 
 def _all_equal(values: list) -> bool:

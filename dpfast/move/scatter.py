@@ -1,8 +1,8 @@
 """Scatter whole argument trees to the replicas through :mod:`dpfast.ops` (the way out is :mod:`dpfast.move.gather`).
 
 All tensors that share a source device, a batch axis and a memory format move in one ``ops.scatter`` call (one
-pack, one copy per device), so an LSTM state ``(h, c)`` costs one call, not two. Everything is differentiable:
-gradients of the chunks flow back to the caller's tensors.
+pack, one copy per device; the call's program groups them), so an LSTM state ``(h, c)`` costs one call, not two.
+Everything is differentiable: gradients of the chunks flow back to the caller's tensors.
 
 Memory format: a ``channels_last`` (or ``channels_last_3d``) tensor is an NHWC tensor in memory, so it is scattered
 as its contiguous NHWC view and every chunk is viewed back as NCHW: chunks in the caller's format, at no extra copy.
@@ -21,41 +21,9 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 
 from .. import ops
 from ..trees.binding import BoundArguments
+from ..trees.facts import inverse
 from ..trees.flatten import flatten, unflatten
-from ..trees.specs import Leaf
 from .nested import scatter_jagged
-
-_LAST = {4: (torch.channels_last, (0, 2, 3, 1)), 5: (torch.channels_last_3d, (0, 2, 3, 4, 1))}
-
-
-def memory_order(t: Tensor) -> tuple[int, ...] | None:
-    """The permutation that views a channels_last (3d) tensor as the contiguous tensor it is in memory (NCHW ->
-    NHWC), or None for any other tensor (those move as contiguous chunks)."""
-    last = _LAST.get(t.dim())
-    if last is None or t.is_nested or not t.is_contiguous(memory_format=last[0]):
-        return None
-    if t.is_contiguous() and not _strides_like_channels_last(t):  # both formats: the strides decide, as for torch
-        return None
-    return last[1]
-
-
-def _strides_like_channels_last(t: Tensor) -> bool:
-    """torch's own tie-break for a tensor contiguous in both formats (a chunk of one channel, of 1x1 pixels):
-    c10's ``is_channels_last_strides_2d/3d``, which ``torch.cat`` and ``empty_like`` follow. Strides must grow
-    through C, W, (D,) H, N, and N's may not equal C's (an N111 tensor is NCHW)."""
-    sizes, strides = t.shape, t.stride()
-    if strides[1] == 0:
-        return False
-    low = 0
-    for d in (1, *range(t.dim() - 1, 1, -1), 0):
-        if sizes[d] == 0 or strides[d] < low or (d == 0 and low == strides[1]):
-            return False
-        low = strides[d] * (sizes[d] if sizes[d] > 1 else 1)
-    return True
-
-
-def inverse(perm: Sequence[int]) -> tuple[int, ...]:
-    return tuple(sorted(range(len(perm)), key=lambda i: perm[i]))
 
 
 def move(v: Any, device: torch.device) -> Any:
@@ -92,77 +60,63 @@ def _to(v: Any, device: torch.device) -> Any:
 
 def move_tree(tree: BoundArguments, device: torch.device) -> tuple[tuple, dict]:
     """The call's arguments, whole, with every tensor on ``device`` (the one-call paths)."""
-    return tree.rebuild([move_all(leaf.value, device) for leaf in tree.leaves])
+    return tree.rebuild([move_all(v, device) for v in tree.flat])
 
 
 def scatter_tree(
     tree: BoundArguments, sizes: Sequence[int], devices: Sequence[torch.device]
 ) -> list[tuple[tuple, dict]]:
-    """``(args, kwargs)`` per replica: the leaves planning marked as split, split by ``sizes`` onto ``devices``;
-    other tensors copied to each distinct device once (the original where it already is), everything else by
-    reference."""
-    if tree.split is not None:
-        return _scatter_flat(tree, sizes, devices)
-    n = len(devices)
-    per_leaf: list[list] = [None] * len(tree.leaves)  # type: ignore[list-item]
-    groups: dict[tuple[torch.device, int, tuple | None], list[Leaf]] = {}
-    for leaf in tree.leaves:
-        v, how = leaf.value, leaf.split
-        if how == "tensor":
-            groups.setdefault((v.device, leaf.axis, memory_order(v)), []).append(leaf)
-        elif how is None:
-            if isinstance(v, (Tensor, PackedSequence)):
-                per_leaf[leaf.index] = _replicated(v, devices)
-            else:
-                per_leaf[leaf.index] = [v] * n
-        elif how == "items":
-            per_leaf[leaf.index] = split_items(v, sizes, devices)
-        elif how == "packed":
-            per_leaf[leaf.index] = scatter_packed(v, sizes, devices)
-        elif how == "jagged":
-            per_leaf[leaf.index] = scatter_jagged(v, sizes, devices)
-        else:  # quantized
-            per_leaf[leaf.index] = split_quantized(v, leaf.axis, sizes, devices)
-    for (_, axis, perm), leaves in groups.items():
-        if perm is None:
-            chunks = ops.scatter([leaf.value for leaf in leaves], axis, sizes, devices)
-        else:  # channels_last: scatter the NHWC view along the same axis, view each chunk back as NCHW
-            back = inverse(perm)
-            chunks = ops.scatter([leaf.value.permute(perm) for leaf in leaves], perm.index(axis), sizes, devices)
-            chunks = [[c.permute(back) for c in row] for row in chunks]
-        for leaf, row in zip(leaves, chunks):
-            per_leaf[leaf.index] = row
-    # each replica gets KV caches of its own: a model updates its cache in place
-    return [tree.rebuild([row[j] for row in per_leaf], own_caches=True) for j in range(n)]
-
-
-def _scatter_flat(
-    tree: BoundArguments, sizes: Sequence[int], devices: Sequence[torch.device]
-) -> list[tuple[tuple, dict]]:
-    """:func:`scatter_tree` of a call planned along a skeleton (its tensors plain, those to split on one device,
-    none channels_last): the same moves, from the flat leaves, without a record per leaf."""
-    assert tree.skeleton is not None and tree.flat is not None and tree.split is not None
-    flat, tensors, (axes, _) = tree.flat, tree.skeleton.tensors, tree.split
-    groups: dict[int, list[int]] = {}  # axis -> positions among the leaves, in order
-    whole: list[int] = []
-    for i, axis in zip(tensors, axes):
-        if axis >= 0:
-            groups.setdefault(axis, []).append(i)
-        else:
-            whole.append(i)
-    if len(groups) == 1 and not whole and len(tensors) == len(flat):  # every leaf a tensor to split one way
-        ((axis, _),) = groups.items()
-        chunks = ops.scatter(flat, axis, sizes, devices)
-        return [tree.rebuild(row, own_caches=True) for row in zip(*chunks)]
+    """``(args, kwargs)`` per replica, by the call's program: the leaves it splits, split by ``sizes`` onto
+    ``devices``; other tensors copied to each distinct device once (the original where it already is), everything
+    else by reference."""
+    program, flat = tree.program, tree.flat
+    if program.all_one_group:  # every leaf a tensor on the CPU to split one way (a call like model(x, h))
+        (((axis, _, _), _),) = program.groups
+        return [tree.rebuild(row, own_caches=True) for row in zip(*ops.scatter(flat, axis, sizes, devices))]
     per_replica = [list(flat) for _ in devices]  # everything else reaches every replica by reference
-    for i in whole:
+    for (axis, perm, kind), where in program.groups:
+        for idx in _by_device(flat, where, kind):
+            for i, chunks in zip(idx, _scatter_group([flat[i] for i in idx], axis, perm, sizes, devices)):
+                for row, chunk in zip(per_replica, chunks):
+                    row[i] = chunk
+    for i in program.copied:
         for row, moved in zip(per_replica, _replicated(flat[i], devices)):
             row[i] = moved
-    for axis, idx in groups.items():
-        for i, chunks in zip(idx, ops.scatter([flat[i] for i in idx], axis, sizes, devices)):
-            for row, chunk in zip(per_replica, chunks):
-                row[i] = chunk
+    for i, how, axis in program.special:
+        v = flat[i]
+        if how == "items":
+            parts = split_items(v, sizes, devices)
+        elif how == "packed":
+            parts = scatter_packed(v, sizes, devices)
+        elif how == "jagged":
+            parts = scatter_jagged(v, sizes, devices)
+        else:  # quantized
+            parts = split_quantized(v, axis, sizes, devices)
+        for row, part in zip(per_replica, parts):
+            row[i] = part
+    # each replica gets KV caches of its own: a model updates its cache in place
     return [tree.rebuild(row, own_caches=True) for row in per_replica]
+
+
+def _by_device(flat: list, where: list[int], kind: str) -> list[list[int]]:
+    """A group's tensors by the device they are on (one ``ops.scatter`` call each): CUDA tensors may be on several."""
+    if kind != "cuda":
+        return [where]
+    by: dict[torch.device, list[int]] = {}
+    for i in where:
+        by.setdefault(flat[i].device, []).append(i)
+    return list(by.values())
+
+
+def _scatter_group(
+    tensors: list[Tensor], axis: int, perm: tuple | None, sizes: Sequence[int], devices: Sequence[torch.device]
+) -> list[list[Tensor]]:
+    """``ops.scatter`` of tensors on one device; channels_last ones as their NHWC views, each chunk viewed back."""
+    if perm is None:
+        return ops.scatter(tensors, axis, sizes, devices)
+    back = inverse(perm)
+    chunks = ops.scatter([t.permute(perm) for t in tensors], perm.index(axis), sizes, devices)
+    return [[c.permute(back) for c in row] for row in chunks]
 
 
 def _replicated(v: Any, devices: Sequence[torch.device]) -> list:

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from ..ext.op_checks import DeviceLike
-from ..move.gather import OutputSkeleton
 from ..plan.costs import CostSource
+from ..plan.program import ProgramCache
 from ..plan.splits import validate_chunk_sizes
 from ..trees.binding import Binding, forward_of
 from ..trees.specs import validate_spec
@@ -126,9 +126,9 @@ class Settings:
         values["device_ids"] = [public_device(d) for d in self.devices]
         values["output_device"] = None if self.output_device is None else public_device(self.output_device)
         self.values = values
-        # the structure of the last outputs gathered under these out_dims and dim (a change of either makes new
-        # settings, and with them a new one)
-        self.outputs = OutputSkeleton()
+        # the gather programs of outputs under these out_dims and dim (a change of either makes new settings, and
+        # with them new programs)
+        self.outputs = ProgramCache()
         self._module, self._forward = module, _forward_identity(module)
         self._seen = tuple(values.values())
         self._fingerprint = fingerprint(self._seen)
@@ -137,7 +137,7 @@ class Settings:
         # out_dims as a flat container of atoms (even beside a nested in_dims): checked by identity at each gather
         self._out_flat = next(iter(_flat_containers((values["out_dims"],)) or ()), None)
 
-    def outputs_for(self, out_dims: Any) -> OutputSkeleton | None:
+    def outputs_for(self, out_dims: Any) -> ProgramCache | None:
         """:attr:`outputs`, when ``out_dims`` (the wrapper's at the gather) is still the one these settings were
         resolved from: a ``forward`` may change it in place, and the gather then walks it as a fresh wrapper does."""
         flat = self._out_flat

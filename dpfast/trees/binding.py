@@ -13,11 +13,10 @@ import warnings
 from collections.abc import Sequence
 from typing import Any, Callable
 
-from torch import Tensor
-
 from .containers import LEAF, TreeDef
-from .flatten import Skeleton, is_leaf, read_along, skeleton_of, unflatten_from
-from .specs import ITEMS, Leaf, Spec, Walk, is_int, is_leaf_spec, path_text, validate_spec
+from .flatten import unflatten_from
+from .specs import ITEMS, Leaf, Spec, is_int, is_leaf_spec, validate_spec
+from .walk import Walk
 
 
 def forward_of(module: Any) -> Callable:
@@ -52,10 +51,7 @@ class Binding:
         # lacks one warns, once per name
         self.kwargs_only: list[str] = []
         self._warned: set[str] = set()
-        # the structure of the last planned call's arguments, for the next call (see CallSkeleton); its signature
-        # (arguments, keywords, leaves), so that a skeleton is made only for a structure seen twice in a row
-        self.skeleton: CallSkeleton | None = None
-        self.last_signature: tuple | None = None
+        self.programs: Any = None  # planning's call programs for calls bound here, keyed by value
         if in_dims is None:
             return
         if is_int(in_dims) or (isinstance(in_dims, str) and in_dims == ITEMS):
@@ -229,74 +225,49 @@ class Binding:
 
 
 class BoundArguments:
-    """One call's arguments bound to ``forward``'s names and walked: a TreeDef per argument, and one :class:`Leaf`
-    per leaf (each knowing its argument and position) in call order: positional, then keyword.
+    """One call's arguments bound to ``forward``'s names and walked: a TreeDef per argument, the leaves' values in
+    call order (``flat``: positional, then keyword) and the call's ``key`` (its structure and leaf facts by value,
+    see :mod:`dpfast.trees.walk`; None when it cannot be compared by value).
 
-    A call read again along the last call's :class:`CallSkeleton` (:meth:`again`) holds its leaves' values in
-    ``flat``, and makes the Leaf records only when they are asked for (an error, a printed plan)."""
+    One :class:`Leaf` record per leaf (its path, spec and argument; planning's marks) is made only when asked for
+    (:attr:`leaves`: a plan printed, an error worded), by walking the call again: the same walk, the same leaves."""
 
-    __slots__ = ("binding", "n_args", "kw_keys", "values", "arg_defs", "arg_names", "_leaves", "flat", "skeleton",
-                 "split")  # fmt: skip
+    __slots__ = ("binding", "n_args", "kw_keys", "values", "arg_names", "arg_defs", "flat", "key", "program",
+                 "_bound", "_leaves")  # fmt: skip
 
     def __init__(self, binding: Binding, args: Sequence[Any], kwargs: dict[str, Any]):
         self.binding = binding
         self.n_args = len(args)
         self.kw_keys = tuple(kwargs.keys())
         self.values = (*args, *kwargs.values())  # the top-level arguments, as given
-        bound = [binding.positional(i, len(args)) for i in range(len(args))]
-        bound += [binding.keyword(k) for k in kwargs]
-        self.arg_names: list[str] = [name for name, _, _, _ in bound]  # the in_dims name each answers to
-        self._leaves: list[Leaf] | None = []
-        self.flat: list | None = None  # the leaves' values, for a tree read along a skeleton
-        self.skeleton: CallSkeleton | None = None
-        self.split: tuple[list[int], int] | None = None  # planning's marks for a skeleton's tensors (see mark_split)
-        walk = Walk(binding.default, "in_dims", self._leaves, whole_atoms=True)
-        self.arg_defs: list[TreeDef] = [
-            walk.run(value, spec, path, explicit, None, a)
-            for a, ((_, path, spec, explicit), value) in enumerate(zip(bound, self.values))
-        ]
+        self._bound = [binding.positional(i, len(args)) for i in range(len(args))]
+        self._bound += [binding.keyword(k) for k in kwargs]
+        self.arg_names: list[str] = [name for name, _, _, _ in self._bound]  # the in_dims name each answers to
+        walk = Walk(binding.default, "in_dims")
+        self.arg_defs: list[TreeDef] = self._walk(walk)
+        self.flat: list = walk.values
+        self.key = (self.n_args, self.kw_keys, tuple(walk.key)) if walk.cacheable else None
+        self.program: Any = None  # planning's program for this call, which marks the records it makes
+        self._leaves: list[Leaf] | None = None
         if binding.kwargs_only:
             binding.warn_unused(kwargs)
 
-    @classmethod
-    def again(cls, binding: Binding, skeleton: CallSkeleton, args: Sequence[Any], kwargs: dict[str, Any]):
-        """The call read along ``skeleton`` (the structure of an earlier call bound by ``binding``): the same
-        specs without walking them, or None when its arguments have another structure."""
-        if len(args) != skeleton.n_args or tuple(kwargs) != skeleton.kw_keys:
-            return None
-        values = (*args, *kwargs.values())
-        flat: list = []
-        defs: list[TreeDef] = []
-        if not read_along(skeleton.args, values, flat, defs):
-            return None
-        self = cls.__new__(cls)
-        self.binding, self.n_args, self.kw_keys, self.values = binding, skeleton.n_args, skeleton.kw_keys, values
-        self.arg_defs, self.arg_names = defs, skeleton.arg_names
-        self._leaves, self.flat, self.skeleton, self.split = None, flat, skeleton, None
-        return self
+    def _walk(self, walk: Walk) -> list[TreeDef]:
+        return [
+            walk.run(value, spec, path, explicit, a)
+            for a, ((_, path, spec, explicit), value) in enumerate(zip(self._bound, self.values))
+        ]
 
     @property
     def leaves(self) -> list[Leaf]:
-        leaves = self._leaves
-        if leaves is None:
-            skeleton = self.skeleton
-            assert skeleton is not None and self.flat is not None
-            leaves = [
-                Leaf(w, v, s, e, a, i, None) for i, ((w, s, e, a), v) in enumerate(zip(skeleton.named(), self.flat))
-            ]
-            if self.split is not None:
-                axes, batch = self.split
-                for i, axis in zip(skeleton.tensors, axes):
-                    if axis >= 0:
-                        leaf = leaves[i]
-                        leaf.split, leaf.axis, leaf.size = "tensor", axis, batch
-            self._leaves = leaves
-        return leaves
-
-    def mark_split(self, axes: list[int], batch: int) -> None:
-        """Planning's verdict on a tree read along a skeleton: its tensors (``skeleton.tensors``) under an int spec
-        are split along ``axes[k]`` (-1: not split), each ``batch`` long there."""
-        self.split = (axes, batch)
+        """One Leaf record per leaf, in call order, with planning's marks (how each is split) once planned."""
+        if self._leaves is None:
+            records: list[Leaf] = []
+            self._walk(Walk(self.binding.default, "in_dims", records))
+            if self.program is not None:
+                self.program.mark(records)
+            self._leaves = records
+        return self._leaves
 
     @property
     def args(self) -> tuple:
@@ -323,78 +294,9 @@ class BoundArguments:
     def rebuild(self, new_leaves: Sequence[Any], own_caches: bool = False) -> tuple[tuple, dict]:
         """The call's ``(args, kwargs)`` with the leaves replaced by ``new_leaves`` (same order); ``own_caches``
         makes every KV cache a new object (a replica's own, see :func:`~dpfast.trees.flatten.unflatten_from`)."""
-        skeleton = self.skeleton
-        if skeleton is not None and skeleton.flat:  # every argument is one leaf: nothing to unflatten
-            return skeleton.rebuild_flat(new_leaves)
+        n = self.n_args
+        if len(new_leaves) == len(self.values) and all(d is LEAF for d in self.arg_defs):
+            return tuple(new_leaves[:n]), dict(zip(self.kw_keys, new_leaves[n:]))  # every argument one leaf
         it = iter(new_leaves)
         values = [unflatten_from(d, it, own_caches) for d in self.arg_defs]
-        return tuple(values[: self.n_args]), dict(zip(self.kw_keys, values[self.n_args :]))
-
-
-class CallSkeleton:
-    """The structure of a planned call's arguments without their values, kept by its :class:`Binding` for the next
-    call: per top-level argument a :class:`~dpfast.trees.flatten.Skeleton` (or one leaf's code), and per leaf what
-    the spec walk gave it (path, spec, whether the user named it, its argument). Arguments of the very same
-    structure get the very same specs, so the next call is read without walking them (:meth:`BoundArguments.again`);
-    what planning checks of the values themselves (types, shapes, devices) it checks again on every call."""
-
-    __slots__ = ("n_args", "kw_keys", "args", "arg_names", "leaves", "tensors", "specs", "_named", "flat")
-
-    def __init__(self, tree: BoundArguments, args: list):
-        self.n_args, self.kw_keys, self.args, self.arg_names = tree.n_args, tree.kw_keys, args, tree.arg_names
-        self.flat = not any(type(code) is Skeleton for code in args)  # every argument is one leaf (model(x))
-        self.leaves = [(leaf._where, leaf.spec, leaf.explicit, leaf.arg) for leaf in tree.leaves]
-        self._named = False  # whether the paths in `leaves` are text yet (see named)
-        self.tensors = [leaf.index for leaf in tree.leaves if type(leaf.value) is Tensor]  # positions among leaves
-        self.specs = [tree.leaves[i].spec for i in self.tensors]
-
-    def read_flat(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Sequence[Any] | None:
-        """A :attr:`flat` skeleton's call's leaves, as ``BoundArguments.again`` reads them (None: another structure)."""
-        if len(args) != self.n_args or tuple(kwargs) != self.kw_keys:
-            return None
-        flat = (*args, *kwargs.values()) if kwargs else args
-        return flat if all(map(is_leaf, self.args, flat)) else None
-
-    def rebuild_flat(self, leaves: Sequence[Any]) -> tuple[tuple, dict]:
-        """``(args, kwargs)`` of a :attr:`flat` skeleton's call from its leaves."""
-        n = self.n_args
-        return tuple(leaves[:n]), dict(zip(self.kw_keys, leaves[n:]))
-
-    def tensor_values(self, flat: Sequence[Any]) -> Sequence[Any]:
-        """The tensors among a call's leaves ``flat`` (read along this skeleton), in order."""
-        where = self.tensors
-        return flat if len(where) == len(flat) else [flat[i] for i in where]
-
-    def named(self) -> list[tuple]:
-        """``leaves`` with their paths as text, put into words once per structure, when a call read along it first
-        asks for its Leaf records (DDP's agreement names every leaf of every call)."""
-        if not self._named:  # (two threads may both do it: the same texts either way)
-            self.leaves = [(w if type(w) is str else path_text(w), *rest) for w, *rest in self.leaves]
-            self._named = True
-        return self.leaves
-
-    @classmethod
-    def of(cls, tree: BoundArguments) -> CallSkeleton | None:
-        """``tree``'s skeleton, or None when it holds what a skeleton cannot keep (containers other than plain
-        tuples, lists and dicts; leaves other than tensors, None and atoms; an ``'items'`` spec)."""
-        if tree.binding.kwargs_only or any(leaf.spec == ITEMS for leaf in tree.leaves):
-            return None
-        it = iter(tree.leaves)
-        args = []
-        for tdef in tree.arg_defs:
-            n = _count_leaves(tdef)
-            args.append(skeleton_of(tdef, [next(it).value for _ in range(n)]))
-            if args[-1] is None:
-                return None
-        return cls(tree, args)
-
-
-def _count_leaves(tdef: TreeDef) -> int:
-    count, stack = 0, [tdef]
-    while stack:
-        node = stack.pop()
-        if node is LEAF:
-            count += 1
-        else:
-            stack.extend(node.children)
-    return count
+        return tuple(values[:n]), dict(zip(self.kw_keys, values[n:]))

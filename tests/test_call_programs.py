@@ -1,7 +1,7 @@
-"""Calls read along the last call's structure (dpfast.trees.binding.CallSkeleton, dpfast.move.gather.OutputSkeleton):
-a call whose arguments (or outputs) have the structure of the last one skips the spec walk, and must do exactly what
-the full walk does, or take the full walk. Nothing kept may ever serve a stale plan: a changed shape, dtype,
-device, structure, spec or module is planned afresh (compared here with a fresh wrapper, which walks in full)."""
+"""Calls planned by their program (dpfast.plan.program, dpfast.move.gather.GatherProgram): a call whose key
+(structure and leaf facts, by value) was seen before is planned and gathered by the program its first call made,
+and must do exactly what a fresh wrapper does with it. Nothing kept may ever serve a stale plan: a changed shape,
+dtype, device, structure, spec or module is planned as a fresh wrapper plans it."""
 
 from __future__ import annotations
 
@@ -14,11 +14,8 @@ import torch
 from torch import nn
 
 import dpfast
-from dpfast.ext.loader import LOADED
 
 from dp_testing import assert_bitexact
-
-pytestmark = pytest.mark.skipif(not LOADED, reason="the skeleton path needs the compiled extension")
 
 
 class Echo(nn.Module):
@@ -47,13 +44,17 @@ def _dp(module=None, n=2, **kw):
 
 
 def _warm(dp, *args, **kwargs):
-    """Two calls of one structure: the second keeps its skeleton for the third."""
+    """Two calls of one structure: the first compiles its program, the second runs it."""
     for _ in range(2):
         dp(*args, **kwargs)
 
 
 def _along_skeleton(dp, *args, **kwargs) -> bool:
-    return dp.plan(*args, **kwargs).tree.flat is not None
+    """Whether this call is planned by a program an earlier call compiled (nothing is compiled for it)."""
+    programs = dp._settings.specs.programs
+    before = programs.compiled
+    dp.plan(*args, **kwargs)
+    return programs.compiled == before
 
 
 def _same(a, b):
@@ -89,7 +90,7 @@ def _outcome(dp, *args, **kwargs):
 
 def _like_a_fresh_wrapper(make, warm_args, args, warm_kwargs=None, kwargs=None, kept=True):
     """A wrapper warmed on one structure then called on ``args`` does what a fresh wrapper does with ``args``
-    (``kept``: whether the warm structure is one a skeleton keeps; the test is worth most where it is)."""
+    (``kept``: whether the warm structure's program is kept; the test is worth most where it is)."""
     warm_kwargs, kwargs = warm_kwargs or {}, kwargs or {}
     dp = make()
     _warm(dp, *warm_args, **warm_kwargs)
@@ -112,12 +113,12 @@ def _tensors(n, shape=(8, 2), dtype=torch.float32, seed=0):
 # ---- the fast path does what the full walk does -----------------------------------------------------------------
 
 
-def test_a_repeated_structure_is_read_along_its_skeleton():
+def test_a_repeated_structure_is_planned_by_its_program():
     value = _tensors(50)
     dp = _dp()
     _warm(dp, value)
+    assert _along_skeleton(dp, value)
     plan = dp.plan(value)
-    assert plan.tree.flat is not None
     fresh = _dp()
     assert str(plan) == str(fresh.plan(value))
     assert [(m.path, m.axis, m.size) for m in plan.mapped] == [
@@ -131,15 +132,16 @@ def test_a_kept_plans_sizes_are_its_own():
     reach the next call's plan."""
     dp, x = _dp(n=3), torch.randn(7, 2)
     _warm(dp, x)
+    assert _along_skeleton(dp, x)
     plan = dp.plan(x)
-    assert plan.tree.flat is not None and plan.sizes == [3, 2, 2]
+    assert plan.sizes == [3, 2, 2]
     plan.sizes[0] = 99
     again = dp.plan(x)
     assert again.sizes == [3, 2, 2] and again.sizes is not plan.sizes
     _same(dp(x), (x,))
 
 
-def test_mixed_leaves_and_keywords_along_the_skeleton():
+def test_mixed_leaves_and_keywords_by_the_program():
     x, h, mask = torch.randn(6, 3, dtype=torch.float64), torch.randn(2, 6, 4, dtype=torch.float64), torch.ones(6, 6)
     make = lambda: _dp(Scale(), in_dims={"h": 1, "mask": None}, out_dims={"h": 1, "mask": None})  # noqa: E731
     _like_a_fresh_wrapper(make, (x, h), (x, h), {"mask": mask}, {"mask": mask})
@@ -147,7 +149,7 @@ def test_mixed_leaves_and_keywords_along_the_skeleton():
     _like_a_fresh_wrapper(lambda: _dp(), (x, ids, None, "tag"), (x, ids, None, "tag"))
 
 
-def test_gradients_along_the_skeleton():
+def test_gradients_by_the_program():
     def run(dp):
         x = torch.randn(8, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).requires_grad_()
         h = torch.randn(2, 8, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2)).requires_grad_()
@@ -344,7 +346,7 @@ def test_kept_outputs_that_need_a_leaf_of_their_own(kind):
             warnings.simplefilter("always")
             _same(out, _dp(fresh)(x))
         assert [str(w.message) for w in caught] == [str(w.message) for w in fresh_caught]
-    assert dp._settings.outputs.kept is not None  # (the last calls were read along the kept outputs)
+    assert len(dp._settings.outputs) == 1  # (the last calls were gathered by the kept program)
 
 
 def test_out_dims_changed_in_place_is_gathered_afresh():
@@ -372,7 +374,7 @@ def test_a_kept_structure_holds_none_of_the_calls_tensors():
     assert all(r() is None for r in refs)
 
 
-# ---- dict keys: the same key, not an equal one (found by review) -------------------------------------------------
+# ---- dict keys: the same key, not an equal one --------------------------------------------------------------------
 
 
 class _EqualKey:
@@ -392,8 +394,8 @@ class _EqualKey:
 
 
 def test_tensor_keys_are_planned_afresh():
-    """Multi-element tensor keys: ``==`` gives a tensor, whose truth value raised on the warmed wrapper only (now
-    such a structure is never kept)."""
+    """Multi-element tensor keys: ``==`` gives a tensor, whose truth value would raise; a key holding them is never
+    kept (their structure is compiled at every call)."""
     k1, k2 = torch.tensor([1, 2]), torch.tensor([1, 3])
     x = torch.randn(4, 2)
     _like_a_fresh_wrapper(_dp, ({k1: x},), ({k2: x},), kept=False)
@@ -406,8 +408,8 @@ class _Identity(nn.Module):
 
 @pytest.mark.parametrize("keys", ["objects", "tensors"])
 def test_equal_but_distinct_keys_get_their_own_specs(keys):
-    """The full walk looks a dict's specs up by hash: a key equal to the kept one is still another key (the warmed
-    wrapper gave it the kept key's spec: B = 4 instead of 3; now such a structure is never kept)."""
+    """The walk looks a dict's specs up by hash: a key equal to the kept one is still another key (it must not get
+    the kept key's spec: B = 4 instead of 3); such a structure is never kept."""
     a, b = (_EqualKey("a"), _EqualKey("b")) if keys == "objects" else (torch.tensor(1), torch.tensor(1))
     got = _like_a_fresh_wrapper(
         lambda: _dp(_Identity(), in_dims={"x": {a: 1}}),
@@ -469,7 +471,7 @@ def test_out_dims_changed_during_the_call_is_honoured():
 
 @pytest.mark.parametrize("keys", ["objects", "tensors"])
 def test_a_kept_structure_holds_none_of_the_calls_keys(keys):
-    """Dict keys other than builtin atoms are never kept (kept, the last call's key objects stayed alive)."""
+    """Dict keys other than plain values are never kept (kept, a call's key objects would stay alive)."""
     dp = _dp(_Identity())
     key = _EqualKey("a") if keys == "objects" else torch.tensor([1, 2])
     for _ in range(3):
@@ -481,15 +483,15 @@ def test_a_kept_structure_holds_none_of_the_calls_keys(keys):
     assert ref() is None
 
 
-def test_a_call_of_the_kept_structure_keeps_its_skeleton_when_its_values_need_the_full_walk():
-    """A channels_last batch always takes the full walk (the fast batch check declines it): the skeleton of its
-    very structure stays kept, not made again at every call."""
+def test_each_memory_format_has_its_program():
+    """A channels_last batch and a contiguous one are two keys: each keeps its program, neither replaces the
+    other."""
     dp = _dp(_Identity())
     x = torch.randn(4, 3, 2, 2).contiguous(memory_format=torch.channels_last)
     _warm(dp, torch.randn(4, 3, 2, 2))
-    binding = dp._settings.specs
-    kept = binding.skeleton
-    assert kept is not None
+    programs = dp._settings.specs.programs
+    assert programs.compiled == 1
     for _ in range(3):
         _same(dp(x), x)
-    assert binding.skeleton is kept
+        _same(dp(torch.ones(4, 3, 2, 2)), torch.ones(4, 3, 2, 2))
+    assert programs.compiled == 2

@@ -3,8 +3,6 @@
 #include "python_calls.h"
 #include "python_costs.h"
 #include "python_dicts.h"
-#include "python_exchange.h"
-#include "python_kept.h"
 #include "python_many.h"
 
 #include <Python.h>
@@ -19,11 +17,10 @@
 
 // `import dpfast._C` loads this library, which registers the ops below as a side effect. The module carries
 // build facts for dpfast.build_info(), the fast call path of dpfast/ops.py (python_calls.cpp), the exact
-// arithmetic of cost-balanced splits (python_costs.cpp), a call's per-leaf gathers and batch checks in one call
-// each (python_many.cpp), a DistributedDataParallel call like the last one checked and cut in one
-// (python_kept.cpp), the replicas' identity checks of the module's dicts (python_dicts.cpp) and
-// DistributedDataParallel's per-step check as a comm hook (ddp_check_hook.cpp) and the bytes of its output exchange
-// (python_exchange.cpp). The tests' hooks are a module of their own (csrc/testing).
+// arithmetic of cost-balanced splits (python_costs.cpp), a call's per-leaf facts, gathers and cuts in one call
+// each (python_many.cpp), the replicas' identity checks of the module's dicts (python_dicts.cpp) and
+// DistributedDataParallel's per-step check as a comm hook (ddp_check_hook.cpp). The tests' hooks are a module of
+// their own (csrc/testing).
 PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", "dpfast fused data-movement ops", -1,
                                           dpfast::python_call_methods()};
@@ -32,8 +29,6 @@ PyMODINIT_FUNC PyInit__C(void) {
   if (PyModule_AddFunctions(m, dpfast::python_cost_methods()) < 0 ||
       PyModule_AddFunctions(m, dpfast::python_many_methods()) < 0 ||
       PyModule_AddFunctions(m, dpfast::python_dict_methods()) < 0 ||
-      PyModule_AddFunctions(m, dpfast::python_exchange_methods()) < 0 ||
-      PyModule_AddFunctions(m, dpfast::python_kept_methods()) < 0 ||
       PyModule_AddFunctions(m, dpfast::ddp_check_methods()) < 0) {
     Py_DECREF(m);
     return nullptr;

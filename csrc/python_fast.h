@@ -1,5 +1,5 @@
-// Readers shared by the fast entry points (python_calls.cpp, python_many.cpp, python_dicts.cpp,
-// python_exchange.cpp): exact types only.
+// Readers shared by the fast entry points (python_calls.cpp, python_many.cpp, python_dicts.cpp): exact types
+// only.
 // Each check is a type comparison that runs no Python code, so a list's items may be borrowed while they are read,
 // unlike in python_args.h; anything else is declined (NotImplemented), and the Python wrapper takes its own path.
 // Nothing that may run Python code (an allocation of a GC-tracked object can run a collection) may come between

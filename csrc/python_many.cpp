@@ -1,4 +1,4 @@
-// dpfast._C._gather_many, _plain_batch, _narrow_many and _tensor_facts: a call's per-leaf work, in one call from
+// dpfast._C._gather_many, _narrow_many, _leaf_facts and _batch_size: a call's per-leaf work, in one call from
 // Python each.
 //
 // Called leaf by leaf from Python, each small leaf pays a Python call, argument conversion and a result's wrapping,
@@ -10,13 +10,10 @@
 // agreeing in dtype, rank and every dim but the gathered one, replica 0's not channels_last. Every other leaf comes
 // back as None, and Python gathers it on its own path, with its own checks and messages.
 //
-// _plain_batch reads what planning needs of each tensor leaf of a call whose structure is the last one's
-// (dpfast/plan/call_plan.py): whether it is a plain dense tensor on an allowed device, and its size along its
-// batch axis. Anything unusual reads as None, and planning walks the call in full.
-//
 // _narrow_many cuts a DistributedDataParallel call's tensor leaves to this rank's rows
-// (dpfast/distributed/sharding.py), one narrow each through the dispatcher; _tensor_facts reads what keys its
-// kept step record (dpfast/distributed/agreement.py).
+// (dpfast/distributed/sharding.py), one narrow each through the dispatcher; _leaf_facts reads what a call's key
+// holds of its plain tensor leaves (dpfast/trees/facts.py), and _batch_size the sizes its program checks agree
+// (dpfast/plan/program.py).
 //
 // All return NotImplemented under a __torch_function__ mode (which must see every tensor call Python makes).
 #include "python_many.h"
@@ -180,62 +177,31 @@ PyObject* py_gather_many(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
-// _plain_batch(tensors, specs, cuda) -> (batch, axes, device_index) | None | NotImplemented
-//   tensors: a call's tensor leaves; specs: per tensor, its int spec, or None (it is passed whole);
-//   cuda: whether CUDA tensors are allowed beside CPU ones.
-//   When every tensor is a plain dense one (no subclass, nested, quantized or sparse one) on the CPU (or CUDA),
-//   every one under an int spec has that axis (none is 0-dim or channels_last) and they agree on its size: that
-//   size (-1 when no spec is an int), each one's axis counted from the front (-1 under None), and the device
-//   index they all share (-1: the CPU). Else None: DataParallel's planning then walks the call in full and says
-//   what is wrong (or what it does instead).
-PyObject* py_plain_batch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
-  PyObject* const* tensors;
-  PyObject* const* specs;
-  Py_ssize_t n, n_specs;
-  if (nargs != 3 || at::impl::torch_function_mode_enabled() || !items_of(args[0], tensors, n) ||
-      !items_of(args[1], specs, n_specs) || n != n_specs || !PyBool_Check(args[2])) {
-    return not_implemented();
-  }
-  const bool cuda = args[2] == Py_True;
-  int64_t batch = -1;
-  int64_t index = -2;  // the mapped tensors' device index, once one is seen
-  // The items are borrowed: nothing that can run Python (a GC-tracked allocation may run a collection, and a
-  // finalizer may empty the lists) happens until the last one is read; the axes go to Python after the loop.
-  std::vector<int64_t> axes(static_cast<size_t>(n), -1);
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    bool ok = THPVariable_CheckExact(tensors[i]);
-    if (ok) {
-      const at::Tensor& t = THPVariable_Unpack(tensors[i]);
-      ok = t.is_cpu() || (cuda && t.is_cuda());
-      if (ok && specs[i] != Py_None) {
-        int64_t spec;
-        const int64_t nd = t.dim();
-        ok = plain_int(specs[i], spec) && dense(t) && nd > 0 && spec >= -nd && spec < nd && !maybe_channels_last(t);
-        if (ok) {
-          const int64_t axis = spec < 0 ? spec + nd : spec;
-          const int64_t size = t.size(axis);
-          const int64_t dev = t.is_cpu() ? -1 : t.get_device();
-          ok = (batch < 0 || size == batch) && (index == -2 || dev == index);
-          batch = size;
-          index = dev;
-          axes[static_cast<size_t>(i)] = axis;
-        }
-      }
-    }
-    if (!ok) Py_RETURN_NONE;
-  }
-  PyObject* list = int_list_object(axes);
-  if (list == nullptr) return nullptr;
-  return Py_BuildValue("(LNL)", static_cast<long long>(batch), list, static_cast<long long>(index < -1 ? -1 : index));
-  END_HANDLE_TH_ERRORS
-}
-
 // Tensor `t` cut to rows [start, start + length) along `axis`, as dpfast/distributed/sharding.py's _narrowed does:
 // a view along axis 0, else a contiguous copy (through the dispatcher: autograd and dispatch modes see each op).
 at::Tensor narrowed(const at::Tensor& t, int64_t axis, int64_t start, int64_t length) {
   at::Tensor v = t.narrow(axis, start, length);
   return axis == 0 ? v : v.contiguous();
+}
+
+// The tensors cut (axes[i] != -1) as a new Python list; the uncut ones are the very objects.
+PyObject* cut_to_list(std::vector<at::Tensor>& tensors, const std::vector<int64_t>& axes, int64_t start,
+                      int64_t length) {
+  {
+    ReleaseGil nogil;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (axes[i] != -1) tensors[i] = narrowed(tensors[i], axes[i], start, length);
+    }
+  }
+  const auto n = static_cast<Py_ssize_t>(tensors.size());
+  THPObjectPtr list(PyList_New(n));  // (freed if a wrap fails or throws)
+  if (!list) return nullptr;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* t = THPVariable_Wrap(std::move(tensors[static_cast<size_t>(i)]));  // an uncut one: its own object
+    if (t == nullptr) return nullptr;
+    PyList_SET_ITEM(list.get(), i, t);
+  }
+  return list.release();
 }
 
 // _narrow_many(tensors, axes, start, length) -> list | NotImplemented
@@ -275,86 +241,95 @@ PyObject* py_narrow_many(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
-// _tensor_facts(tensors) -> tuple | NotImplemented
-//   Per tensor its sizes, dtype and requires_grad, in one flat tuple: what dpfast/distributed/agreement.py's
-//   _tensor_facts builds in Python (the same objects: ints, torch.dtype, bool), the key of a kept step record.
-//   NotImplemented (Python reads them itself) for anything but plain Tensors with concrete sizes.
-PyObject* py_tensor_facts(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+// _leaf_facts(leaves) -> (codes, others) | NotImplemented
+//   leaves: a call's leaf values, in order. What dpfast/trees/facts.py's leaf_facts reads of them for the call's
+//   key, in one call: `codes` holds 4 bytes per leaf, for a plain tensor (an exact Tensor, dense, not nested or
+//   quantized, on the CPU or CUDA, of 1 to 255 dims other than 4 and 5, whose memory format Python reads) its
+//   dtype + 1, dims and flags (requires_grad, CUDA, and 1 to mark it), zeros for any other leaf; `others` lists
+//   the positions of those, whose facts Python reads. Two plain tensors get the same code exactly when
+//   tensor_fact gives them the same facts.
+PyObject* py_leaf_facts(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   PyObject* const* items;
   Py_ssize_t n;
-  if (nargs != 1 || at::impl::torch_function_mode_enabled() || !items_of(args[0], items, n)) {
+  if (nargs != 1 || at::impl::torch_function_mode_enabled() || !items_of(args[0], items, n) ||
+      n > PY_SSIZE_T_MAX / 4) {
     return not_implemented();
   }
-  // The items are borrowed: every Tensor is taken before anything allocates (the tuple is GC-tracked)
-  std::vector<at::Tensor> tensors(static_cast<size_t>(n));
-  size_t count = 0;
+  // The items are borrowed: every one is read before anything allocates (the bytes, the list)
+  std::vector<uint8_t> codes(static_cast<size_t>(n) * 4, 0);
+  std::vector<int64_t> others;
   for (Py_ssize_t i = 0; i < n; ++i) {
-    if (!THPVariable_CheckExact(items[i])) return not_implemented();
-    const at::Tensor& t = THPVariable_Unpack(items[i]);
-    if (t.is_nested() || t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) return not_implemented();
-    const auto nd = static_cast<size_t>(t.dim());
-    if (count > PY_SSIZE_T_MAX - 2 - nd) return not_implemented();  // (not reachable with real tensors)
-    count += nd + 2;
-    tensors[static_cast<size_t>(i)] = t;
-  }
-  // the dtype objects (torch's own, never freed) before the tuple, so that nothing throws once it exists
-  std::vector<PyObject*> dtypes(tensors.size());
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    dtypes[i] = reinterpret_cast<PyObject*>(torch::getTHPDtype(tensors[i].scalar_type()));
-  }
-  THPObjectPtr facts(PyTuple_New(static_cast<Py_ssize_t>(count)));
-  if (!facts) return nullptr;
-  Py_ssize_t k = 0;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    for (const int64_t size : tensors[i].sizes()) {
-      PyObject* v = PyLong_FromLongLong(size);
-      if (v == nullptr) return nullptr;
-      PyTuple_SET_ITEM(facts.get(), k++, v);
+    uint8_t* code = codes.data() + 4 * i;
+    // an exact Tensor (not a Parameter, which THPVariable_CheckExact takes too: its type is a fact of its own)
+    bool plain = Py_TYPE(items[i]) == reinterpret_cast<PyTypeObject*>(THPVariableClass);
+    if (plain) {
+      const at::Tensor& t = THPVariable_Unpack(items[i]);
+      const int64_t nd = t.dim();
+      plain = dense(t) && (t.is_cpu() || t.is_cuda()) && nd >= 1 && nd <= 255 && nd != 4 && nd != 5;
+      if (plain) {
+        code[0] = static_cast<uint8_t>(static_cast<int>(t.scalar_type()) + 1);
+        code[1] = static_cast<uint8_t>(nd);
+        code[2] = static_cast<uint8_t>(1 | (t.requires_grad() ? 2 : 0) | (t.is_cuda() ? 4 : 0));
+      }
     }
-    Py_INCREF(dtypes[i]);
-    PyTuple_SET_ITEM(facts.get(), k++, dtypes[i]);
-    PyObject* grad = tensors[i].requires_grad() ? Py_True : Py_False;
-    Py_INCREF(grad);
-    PyTuple_SET_ITEM(facts.get(), k++, grad);
+    if (!plain) others.push_back(i);
   }
-  return facts.release();
+  THPObjectPtr bytes(PyBytes_FromStringAndSize(reinterpret_cast<const char*>(codes.data()),
+                                               static_cast<Py_ssize_t>(codes.size())));
+  if (!bytes) return nullptr;
+  THPObjectPtr list(int_list_object(others));
+  if (!list) return nullptr;
+  return PyTuple_Pack(2, bytes.get(), list.get());
+  END_HANDLE_TH_ERRORS
+}
+
+// _batch_size(leaves, where, axes) -> int | None | NotImplemented
+//   leaves: a call's leaf values; where: the positions of the tensors its program splits; axes: their batch axes
+//   (counted from the front). Their common size along those axes, or None when they differ (Python's own check
+//   then raises the ScatterError that says where). NotImplemented (Python reads the sizes) for anything but exact
+//   Tensors with concrete sizes that have those axes, and under a __torch_function__ mode.
+PyObject* py_batch_size(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  PyObject* const* items;
+  Py_ssize_t n;
+  std::vector<int64_t> where, axes;
+  if (nargs != 3 || at::impl::torch_function_mode_enabled() || !items_of(args[0], items, n) ||
+      !plain_ints(args[1], where) || !plain_ints(args[2], axes) || where.size() != axes.size() || where.empty()) {
+    return not_implemented();
+  }
+  int64_t batch = -1;
+  bool agree = true;
+  for (size_t k = 0; k < where.size(); ++k) {
+    const int64_t i = where[k];
+    if (i < 0 || i >= n || !THPVariable_CheckExact(items[i])) return not_implemented();
+    const at::Tensor& t = THPVariable_Unpack(items[i]);
+    if (t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() || axes[k] < 0 || axes[k] >= t.dim()) {
+      return not_implemented();
+    }
+    const int64_t size = t.size(axes[k]);
+    agree = agree && (batch < 0 || size == batch);
+    batch = size;
+  }
+  if (!agree) Py_RETURN_NONE;
+  return PyLong_FromLongLong(batch);
   END_HANDLE_TH_ERRORS
 }
 
 PyMethodDef methods[] = {
     {"_gather_many", DPFAST_FASTCALL(py_gather_many),
      "the gathers of many output leaves (dpfast/move/gather.py); None for a leaf it leaves to Python"},
-    {"_plain_batch", DPFAST_FASTCALL(py_plain_batch),
-     "the batch size of a call's plain tensor leaves (dpfast/plan/call_plan.py); None when planning must walk"},
     {"_narrow_many", DPFAST_FASTCALL(py_narrow_many),
      "a call's tensor leaves cut to one rank's rows (dpfast/distributed/sharding.py); NotImplemented to decline"},
-    {"_tensor_facts", DPFAST_FASTCALL(py_tensor_facts),
-     "the sizes, dtype and requires_grad of many tensors in one tuple (dpfast/distributed/agreement.py)"},
+    {"_batch_size", DPFAST_FASTCALL(py_batch_size),
+     "the common size of a call's split tensors along their axes (dpfast/plan/program.py); None if they differ"},
+    {"_leaf_facts", DPFAST_FASTCALL(py_leaf_facts),
+     "a call's plain tensor leaves' facts, 4 bytes each, and the positions of the others (dpfast/trees/facts.py)"},
     {nullptr, nullptr, 0, nullptr},
 };
 
 }  // namespace
 
 PyMethodDef* python_many_methods() { return methods; }
-
-PyObject* cut_to_list(std::vector<at::Tensor>& tensors, const std::vector<int64_t>& axes, int64_t start,
-                      int64_t length) {
-  {
-    ReleaseGil nogil;
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      if (axes[i] != -1) tensors[i] = narrowed(tensors[i], axes[i], start, length);
-    }
-  }
-  const auto n = static_cast<Py_ssize_t>(tensors.size());
-  THPObjectPtr list(PyList_New(n));  // (freed if a wrap fails or throws)
-  if (!list) return nullptr;
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* t = THPVariable_Wrap(std::move(tensors[static_cast<size_t>(i)]));  // an uncut one: its own object
-    if (t == nullptr) return nullptr;
-    PyList_SET_ITEM(list.get(), i, t);
-  }
-  return list.release();
-}
 
 }  // namespace dpfast

@@ -29,53 +29,22 @@ def _balanced_bounds(
     prefix: Tensor, mult: Sequence[int], targets: Sequence[int], lo_high: int, lo_low: int, hi_high: int, hi_low: int
 ) -> list[int]: ...
 
-# A call's per-leaf work in one call each (csrc/python_many.cpp; dpfast/move/gather.py, dpfast/plan/call_plan.py
-# and dpfast/distributed/ take their own path for whatever these decline).
+# A call's per-leaf work in one call each (csrc/python_many.cpp; dpfast/move/gather.py, dpfast/trees/facts.py,
+# dpfast/plan/program.py and dpfast/distributed/ take their own path for whatever these decline).
 # (per leaf its gathered tensor or None, per leaf whether its chunks follow `sizes`, all gathered and following)
 def _gather_many(
     columns: Sequence[Sequence[Tensor]], dims: Sequence[int], device: torch.device, sizes: Sequence[int]
 ) -> Any: ...
 
-# (B or -1, per tensor its batch axis or -1, the device index or -1), None, or NotImplemented
-def _plain_batch(tensors: Sequence[Tensor], specs: Sequence[int | None], cuda: bool) -> Any: ...
-
 # the tensors cut to rows start:start+length along their axes (-1: as they are), or NotImplemented
 def _narrow_many(tensors: Sequence[Tensor], axes: Sequence[int], start: int, length: int) -> Any: ...
 
-# per tensor its sizes, dtype and requires_grad, in one flat tuple, or NotImplemented
-def _tensor_facts(tensors: Sequence[Tensor]) -> Any: ...
+# (4 bytes a leaf: a plain tensor's dtype, dims and flags, zeros for any other leaf; the positions of the others),
+# or NotImplemented (dpfast/trees/facts.py)
+def _leaf_facts(leaves: Sequence[Any]) -> Any: ...
 
-# the tensors checked against a kept call's facts, axes and device index and cut (length -1: only checked, True),
-# None when one reads otherwise, or NotImplemented
-def _kept_cut(
-    tensors: Sequence[Tensor], facts: tuple, axes: Sequence[int], index: int, start: int, length: int
-) -> Any: ...
-
-# one rank's bytes of DDP's output exchange (csrc/python_exchange.cpp): size zeroed bytes on device, the ints from
-# byte 0, each tensor (its axis moved to the front) at base + its offset; or NotImplemented
-def _pack_payload(
-    size: int,
-    device: torch.device,
-    ints: Sequence[int],
-    tensors: Sequence[Tensor],
-    axes: Sequence[int],
-    offsets: Sequence[int],
-    base: int,
-) -> Any: ...
-
-# the first count int64 of every row of the (world, width) uint8 tensor gathered, as lists; or NotImplemented
-def _int_rows(gathered: Tensor, count: int) -> Any: ...
-
-# every tensor's part of each row of gathered (shapes[i] of dtypes[i] at base + offsets[i]): rows[i] True, every
-# row's one after the other, else stacked (world, *shape); or NotImplemented
-def _blocks(
-    gathered: Tensor,
-    base: int,
-    dtypes: Sequence[torch.dtype],
-    shapes: Sequence[tuple],
-    offsets: Sequence[int],
-    rows: Sequence[bool],
-) -> Any: ...
+# the common size of leaves[where[k]] along axes[k], None when they differ, or NotImplemented (dpfast/plan/program.py)
+def _batch_size(leaves: Sequence[Any], where: Sequence[int], axes: Sequence[int]) -> Any: ...
 
 # A module tree's dicts checked and restored by identity (csrc/python_dicts.cpp; dpfast/run/shallow_snapshots.py
 # does the same in Python for whatever these decline).

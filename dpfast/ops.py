@@ -192,10 +192,7 @@ if LOADED:
 
     # a call's per-leaf work in one call each (csrc/python_many.cpp); None where an older build lacks them
     _fast_gather_many = getattr(_C, "_gather_many", None)
-    _fast_plain_batch = getattr(_C, "_plain_batch", None)
     _fast_narrow_many = getattr(_C, "_narrow_many", None)
-    _fast_tensor_facts = getattr(_C, "_tensor_facts", None)
-    _fast_kept_cut = getattr(_C, "_kept_cut", None)
 
     def _gather_many(
         columns: Sequence[Sequence[Tensor]], dims: Sequence[int], device: torch.device, sizes: Sequence[int]
@@ -211,18 +208,6 @@ if LOADED:
         out = _fast_gather_many(columns, dims, device, sizes)
         return None if out is NotImplemented else out
 
-    def _plain_batch(
-        tensors: Sequence[Tensor], specs: Sequence[int | None], cuda: bool
-    ) -> tuple[int, list[int], int] | None:
-        """``(B, axes, device index)`` of a call's tensor leaves when each is a plain dense tensor on the CPU (or
-        CUDA, with ``cuda``) and those under an int spec agree on ``B`` along their axis (``axes[i]``: counted
-        from the front; -1 under None; B -1 when no spec is an int; the device index -1 for the CPU); None
-        otherwise, or when it cannot tell."""
-        if _fast_plain_batch is None or _compiling():
-            return None
-        out = _fast_plain_batch(tensors, specs, cuda)
-        return None if out is NotImplemented else out
-
     def _narrow_many(tensors: Sequence[Tensor], axes: Sequence[int], start: int, length: int) -> list[Tensor] | None:
         """Each tensor cut to rows ``start:start+length`` along ``axes[i]`` (a view along axis 0, else a contiguous
         copy), or passed as it is where ``axes[i]`` is -1; None when the caller must narrow each itself (a cut
@@ -231,27 +216,6 @@ if LOADED:
         if _fast_narrow_many is None or _compiling():
             return None
         out = _fast_narrow_many(tensors, axes, start, length)
-        return None if out is NotImplemented else out
-
-    def _tensor_facts(tensors: Sequence[Tensor]) -> tuple | None:
-        """Each tensor's sizes, then its dtype and ``requires_grad``, in one flat tuple; None when the caller must
-        read them itself (a tensor that is not a plain one, or has no concrete sizes; a ``__torch_function__``
-        mode, ``torch.compile``)."""
-        if _fast_tensor_facts is None or _compiling():
-            return None
-        out = _fast_tensor_facts(tensors)
-        return None if out is NotImplemented else out
-
-    def _kept_cut(
-        tensors: Sequence[Tensor], facts: tuple, axes: Sequence[int], index: int, start: int, length: int
-    ) -> list[Tensor] | bool | None:
-        """A call's tensors checked against what :func:`_plain_batch` (its ``axes`` and device ``index``) and
-        :func:`_tensor_facts` (``facts``) read of a kept call's, and cut as :func:`_narrow_many` cuts them (with
-        ``length`` -1: only checked, True); None when any one reads otherwise, or when it cannot tell (a
-        ``__torch_function__`` mode, ``torch.compile``): the caller then reads them in full."""
-        if _fast_kept_cut is None or _compiling():
-            return None
-        out = _fast_kept_cut(tensors, facts, axes, index, start, length)
         return None if out is NotImplemented else out
 
     # ---- fake kernels: shapes, dtypes and devices only, for torch.compile / FakeTensor tracing and meta tensors.
@@ -309,21 +273,8 @@ else:
     ) -> tuple[list[Tensor | None], list[bool], bool] | None:
         return None  # without the extension every leaf goes through gather
 
-    def _plain_batch(
-        tensors: Sequence[Tensor], specs: Sequence[int | None], cuda: bool
-    ) -> tuple[int, list[int], int] | None:
-        return None  # without the extension planning walks every call
-
     def _narrow_many(tensors: Sequence[Tensor], axes: Sequence[int], start: int, length: int) -> list[Tensor] | None:
         return None  # without the extension each tensor is narrowed in Python
-
-    def _tensor_facts(tensors: Sequence[Tensor]) -> tuple | None:
-        return None  # without the extension the facts are read in Python
-
-    def _kept_cut(
-        tensors: Sequence[Tensor], facts: tuple, axes: Sequence[int], index: int, start: int, length: int
-    ) -> list[Tensor] | bool | None:
-        return None  # without the extension nothing is kept
 
 
 def state_to_batch_first(state: RNNState) -> RNNState:

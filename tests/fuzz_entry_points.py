@@ -1,8 +1,7 @@
 """A seeded fuzzer of the extension's CPython argument parsing: hostile objects inside legal-looking arguments.
 
 Each round takes one private entry point of ``dpfast._C`` or ``dpfast._C_hooks`` (the cost arithmetic, the kernel-
-walk hooks, the ops' fast path, the entry points of many leaves, the kept call's check and cut, the replicas' dict
-checks, the output exchange's bytes) with valid arguments,
+walk hooks, the ops' fast path, the entry points of many leaves, the replicas' dict checks) with valid arguments,
 then hides a hostile object in one of them: an int whose ``__index__`` empties, shrinks or grows the list it sits in
 (or every list of the call), raises, or returns a number past int64; an object whose ``__class__`` claims to be a
 Tensor; a list subclass whose ``__iter__`` and ``__len__`` lie; for the replicas' dict checks, keys and values whose
@@ -11,8 +10,8 @@ its saved dicts. The oracle: the call gives exactly what the same
 call gives with a harmless object in the hostile one's place (the extension reads every list as it was when the call
 began), or the error that hook asks for (the exception ``__index__`` raised; a TypeError or ValueError for a number
 past int64 or an object that is no Tensor); the ops' fast path and the entry points of many leaves may decline
-(NotImplemented, or None from ``_plain_batch`` and ``_kept_cut``: dpfast.ops then goes through torch.ops, planning
-and the cut through Python). Never a crash: ``make sanitize`` runs it under AddressSanitizer with
+(NotImplemented, or None from ``_batch_size``: dpfast.ops then goes through torch.ops, planning through Python).
+Never a crash: ``make sanitize`` runs it under AddressSanitizer with
 PYTHONMALLOC=malloc, where reading a freed object is a report.
 
     python tests/fuzz_entry_points.py --seconds 20 --seed 0
@@ -82,9 +81,8 @@ def fresh(values: list[int]) -> list[int]:
 
 def draw_call(r: random.Random) -> tuple[str, Callable, list[Any]]:
     """(name, function, arguments): arguments valid as plain lists of ints and tensors."""
-    choices = ["exact_prefix", "balanced_bounds", "split", "scatter", "gather", "gather_many", "plain_batch"]
-    choices += ["narrow_many", "tensor_facts", "same_dicts", "restore_dicts", "pack_payload", "int_rows", "blocks"]
-    choices += ["kept_cut"]
+    choices = ["exact_prefix", "balanced_bounds", "split", "scatter", "gather", "gather_many", "batch_size"]
+    choices += ["narrow_many", "leaf_facts", "same_dicts", "restore_dicts"]
     if HOOKS is not None:
         choices += ["job_offsets", "replay", "side_streams", "node_streams"]
     name = r.choice(choices)
@@ -122,44 +120,15 @@ def draw_call(r: random.Random) -> tuple[str, Callable, list[Any]]:
         sizes = fresh([x.shape[0] + 300] * len(columns))
         dims = fresh([r.choice([0, 1, -1]) for _ in leaves])
         return name, C._gather_many, [columns, dims, torch.device("cpu"), sizes]
-    if name == "plain_batch":
-        return name, C._plain_batch, [leaves, [r.choice([0, 1, None]) for _ in leaves], False]
-    if name == "tensor_facts":
-        return name, C._tensor_facts, [leaves + [x, x.t(), torch.tensor(1.0)]]
+    if name == "batch_size":
+        where = sorted(r.sample(range(len(leaves)), r.randrange(1, len(leaves) + 1)))
+        return name, C._batch_size, [leaves, fresh(where), fresh([r.choice([0, 1]) for _ in where])]
+    if name == "leaf_facts":
+        return name, C._leaf_facts, [leaves + [x, x.t(), torch.tensor(1.0), None]]
     if name == "narrow_many":
         start = r.randrange(x.shape[0] + 1)
         rows = fresh([start, r.randrange(x.shape[0] - start + 1)])
         return name, C._narrow_many, [leaves, fresh([r.choice([0, -1]) for _ in leaves]), *rows]
-    if name == "kept_cut":  # the facts as _tensor_facts read them, of these leaves or (sometimes) of others
-        facts = C._tensor_facts(leaves if r.random() < 0.7 else leaves[::-1])
-        start = r.randrange(x.shape[0] + 1)
-        rows = fresh([start, r.choice([-1, r.randrange(x.shape[0] - start + 1)])])
-        return name, C._kept_cut, [leaves, facts, fresh([r.choice([0, -1]) for _ in leaves]), -1, *rows]
-    if name == "pack_payload":  # each leaf 16-byte aligned after the ints, at most one axis moved
-        offsets, at = [], 64
-        for t in leaves:
-            offsets.append(at)
-            at += -(-t.numel() * 4 // 16) * 16
-        axes = fresh([r.choice([0, 1]) for _ in leaves])
-        return (
-            name,
-            C._pack_payload,
-            [at + r.randrange(3) * 16, torch.device("cpu"), fresh([300, 301]), leaves, axes, fresh(offsets), 0],
-        )
-    if name in ("int_rows", "blocks"):  # the gathered bytes of up to 3 ranks, every leaf placed alike
-        world, width = r.randrange(1, 4), 16 * r.randrange(1, 64)
-        gathered = torch.randint(0, 256, (world, width), dtype=torch.uint8)
-        if name == "int_rows":
-            return name, C._int_rows, [gathered, r.randrange(width // 8 + 1)]
-        dtypes = [r.choice([torch.float32, torch.float64, torch.int8, torch.bool]) for _ in range(r.randrange(1, 6))]
-        base = 16 * r.randrange(3) if width > 32 else 0
-        shapes = [(r.randrange(4), r.randrange(1, 3)) for _ in dtypes]
-        sizes = [d.itemsize * s[0] * s[1] for d, s in zip(dtypes, shapes)]
-        shapes = [s if n <= width - base else (0, 1) for s, n in zip(shapes, sizes)]
-        sizes = [d.itemsize * s[0] * s[1] for d, s in zip(dtypes, shapes)]
-        offsets = fresh([16 * r.randrange((width - base - n) // 16 + 1) for n in sizes])
-        args = [dtypes, [fresh(list(s)) for s in shapes], offsets, [r.random() < 0.5 for _ in shapes]]
-        return name, C._blocks, [gathered, base, *args]
     if name == "job_offsets":
         sizes = [r.randrange(300, 2**20) for _ in range(r.randrange(1, 7))]
         strides = fresh([r.randrange(-(2**20), 2**20) for _ in sizes])
@@ -303,15 +272,18 @@ def same(a: Any, b: Any) -> bool:
 
 
 # dpfast.ops' entry points: anything unusual goes through torch.ops (or Python's own path) when they decline
-FAST_PATH = ("split", "scatter", "gather", "gather_many", "narrow_many", "tensor_facts", "same_dicts", "restore_dicts")
-FAST_PATH += ("pack_payload", "int_rows", "blocks")
+FAST_PATH = ("split", "scatter", "gather", "gather_many", "narrow_many", "leaf_facts", "same_dicts", "restore_dicts")
 
 
 def judge(name: str, action: str, benign: tuple, got: tuple) -> str:
     """'' when the hostile call's outcome is allowed, else why not."""
     if name in FAST_PATH and got[0] == "ok" and got[1] is NotImplemented:
         return ""
-    if name in ("plain_batch", "kept_cut") and got[0] == "ok" and got[1] in (None, NotImplemented):  # read in full
+    if name == "batch_size" and got[0] == "ok" and got[1] in (None, NotImplemented):  # read by Python
+        return ""
+    if name == "batch_size" and action == "fake tensor" and got == benign:  # (a leaf it was not asked to read)
+        return ""
+    if name == "leaf_facts" and action == "fake tensor" and got[0] == "ok":  # (read as no tensor: Python reads it)
         return ""
     if action == "fake tensor":
         return "" if got[:2] == ("error", TypeError) else f"{short(got)} for an object that is no Tensor"

@@ -234,8 +234,8 @@ ENTRY_POINT_CASES = {
         type_error(C._exact_prefix, NotATensor())
         type_error(C._balanced_bounds, NotATensor(), [1], [1], 0, 0, 0, 1)
     """,
-    # _gather_many, _plain_batch, _narrow_many and _tensor_facts read only exact ints and exact Tensors (no Python
-    # code runs while they read): anything else is declined (NotImplemented / None), and Python takes its own path
+    # _gather_many, _narrow_many, _leaf_facts and _batch_size read only exact ints and exact Tensors (no Python code
+    # runs while they read): anything else is declined (NotImplemented / None), and Python takes its own path
     "many_leaves_entry_points_decline_hostile_items": """
         cpu, xs = torch.device("cpu"), [torch.randn(300, 2) for _ in range(3)]
         outs, follows, done = C._gather_many([xs, xs], [0, 0, 0], cpu, [300, 300])
@@ -244,9 +244,6 @@ ENTRY_POINT_CASES = {
         assert C._gather_many([xs, xs], [0, 0, 0], cpu, hostile([300, 300])) is NotImplemented
         outs, follows, done = C._gather_many([xs, [NotATensor()] * 3], [0, 0, 0], cpu, [300, 300])
         assert outs == [None] * 3 and not done
-        assert C._plain_batch(xs, [0, 0, 0], False) == (300, [0, 0, 0], -1)
-        assert C._plain_batch(xs, hostile([0, 0, 0]), False) is None
-        assert C._plain_batch([NotATensor()] * 3, [0, 0, 0], False) is None
         cut = C._narrow_many(xs, [0, -1, 0], 100, 50)
         assert [c.shape[0] for c in cut] == [50, 300, 50] and cut[1] is xs[1]
         assert C._narrow_many(xs, hostile([0, 0, 0]), 100, 50) is NotImplemented
@@ -254,90 +251,30 @@ ENTRY_POINT_CASES = {
         assert C._narrow_many([NotATensor()] * 3, [0, 0, 0], 100, 50) is NotImplemented
         assert C._narrow_many(xs, [0, 0, 0], 2**63 - 1, 2**63 - 1) is NotImplemented
         assert C._narrow_many(xs, [0, 0, 0], 2**64, 1) is NotImplemented
-        assert C._tensor_facts(xs) == (300, 2, torch.float32, False) * 3
-        assert C._tensor_facts([NotATensor()]) is NotImplemented
-        assert C._tensor_facts(hostile([1])) is NotImplemented
+        codes, others = C._leaf_facts(xs + [NotATensor(), None, 3])
+        assert len(codes) == 24 and codes[:12] == codes[:4] * 3 and codes[12:] == bytes(12) and others == [3, 4, 5]
+        assert C._leaf_facts(hostile([1])) == (bytes(4), [0])  # (an int, whatever it does: not a tensor)
+        assert C._leaf_facts(NotATensor()) is NotImplemented
+        assert C._batch_size(xs, [0, 2], [0, 1]) is None  # 300 along 0, 2 along 1: they differ
+        assert C._batch_size(xs, [0, 1, 2], [0, 0, 0]) == 300
+        assert C._batch_size(xs, hostile([0, 1]), [0, 0]) is NotImplemented
+        assert C._batch_size(xs, [0, 1], hostile([0, 0])) is NotImplemented
+        assert C._batch_size(xs, [0, 3], [0, 0]) is NotImplemented  # a position past the leaves
+        assert C._batch_size(xs, [0, -1], [0, 0]) is NotImplemented
+        assert C._batch_size(xs, [0, 1], [0, 2]) is NotImplemented  # an axis the tensor does not have
+        assert C._batch_size(xs, [0, 1], [0]) is NotImplemented
+        assert C._batch_size([NotATensor()], [0], [0]) is NotImplemented
+        assert C._batch_size(xs, [2**64], [0]) is NotImplemented
         # columns of another length than dims: declined before anything is sized by their counts
         assert C._gather_many([[]] * 100_000, [0] * 10_000, cpu, [1]) is NotImplemented
     """,
-    # _kept_cut reads exact ints and exact Tensors too; its facts (a tuple: nothing can change it) are compared in
-    # place, each read only while the tensor's own facts last
-    "kept_cut_declines_hostile_items_and_facts_that_run_out": """
-        xs = [torch.randn(300, 2) for _ in range(3)]
-        facts, axes = C._tensor_facts(xs), [0, -1, 0]
-        cut = C._kept_cut(xs, facts, axes, -1, 100, 50)
-        assert [c.shape[0] for c in cut] == [50, 300, 50] and cut[1] is xs[1] and cut[0]._base is xs[0]
-        assert C._kept_cut(xs, facts, axes, -1, 0, -1) is True
-        assert C._kept_cut(xs, list(facts), axes, -1, 100, 50) is NotImplemented
-        assert C._kept_cut(xs, facts, hostile(axes), -1, 100, 50) is NotImplemented
-        assert C._kept_cut(xs, facts, axes, hostile([-1])[0], 100, 50) is NotImplemented
-        assert C._kept_cut(xs, facts, axes, -1, hostile([100])[0], 50) is NotImplemented
-        assert C._kept_cut(xs, facts, axes, -1, 100, -2) is NotImplemented
-        assert C._kept_cut([NotATensor()] * 3, facts, axes, -1, 100, 50) is None
-        assert C._kept_cut(xs, facts[:-1], axes, -1, 100, 50) is None  # the facts run out inside the last tensor's
-        assert C._kept_cut(xs, facts[:2], axes, -1, 100, 50) is None
-        assert C._kept_cut(xs, (), axes, -1, 100, 50) is None
-        assert C._kept_cut(xs, facts + (1,), axes, -1, 100, 50) is None  # facts left over
-        assert C._kept_cut(xs, (NotATensor(),) + facts[1:], axes, -1, 100, 50) is None
-        assert C._kept_cut(xs, (2**64,) + facts[1:], axes, -1, 100, 50) is None
-        assert C._kept_cut(xs, facts, axes[:2], -1, 100, 50) is None
-        assert C._kept_cut(xs, facts, [0, -1, 2], -1, 100, 50) is None  # an axis the tensor does not have
-        assert C._kept_cut(xs, facts, [0, -1, -2], -1, 100, 50) is None
-        assert C._kept_cut(xs, facts, axes, 0, 100, 50) is None  # another device
-        assert C._kept_cut(xs, facts, axes, -1, 2**63 - 1, 2**63 - 1) is None  # rows outside
-        assert C._kept_cut(xs, facts, axes, -1, 251, 50) is None
-        assert C._kept_cut(xs, facts, axes, -1, 2**64, 1) is NotImplemented
-    """,
-    "kept_cut_list_emptied_by_a_collection": """
+    # _leaf_facts and _batch_size borrow the list's items: every one is read before the first allocation
+    "leaf_facts_list_emptied_by_a_collection": """
         xs = [torch.randn(300, 2) for _ in range(64)]
-        facts = C._tensor_facts(xs)
-        got = emptied_by_a_collection(C._kept_cut, xs, facts, [0] * 64, -1, 10, 20)
-        assert len(got) == 64 and all(t.shape == (20, 2) for t in got) and not xs, got
-    """,
-    # _pack_payload reads exact ints and exact Tensors too, and checks every place before anything is made
-    "pack_payload_declines_hostile_items_and_places_outside": """
-        cpu, xs = torch.device("cpu"), [torch.randn(300, 2) for _ in range(3)]
-        offsets = [64, 64 + 2400, 64 + 4800]
-        buf = C._pack_payload(7264, cpu, [7, 8], xs, [0, 1, 0], offsets, 0)
-        assert buf[:16].view(torch.int64).tolist() == [7, 8]
-        assert torch.equal(buf[64:2464].view(torch.float32).view(300, 2), xs[0])
-        assert torch.equal(buf[2464:4864].view(torch.float32).view(2, 300), xs[1].t())
-        assert C._pack_payload(7264, cpu, hostile([7, 8]), xs, [0, 1, 0], offsets, 0) is NotImplemented
-        assert C._pack_payload(7264, cpu, [7, 8], xs, hostile([0, 1, 0]), offsets, 0) is NotImplemented
-        assert C._pack_payload(7264, cpu, [7, 8], xs, [0, 1, 0], hostile(offsets), 0) is NotImplemented
-        assert C._pack_payload(7264, cpu, [7, 8], [NotATensor()] * 3, [0, 1, 0], offsets, 0) is NotImplemented
-        assert C._pack_payload(7263, cpu, [7, 8], xs, [0, 1, 0], offsets, 0) is NotImplemented
-        assert C._pack_payload(2**62, cpu, [7, 8], xs, [0, 1, 0], offsets, 2**62) is NotImplemented
-        assert C._pack_payload(2**63 - 1, cpu, [7, 8], xs, [0, 1, 0], [2**63 - 8] * 3, 0) is NotImplemented
-        assert C._pack_payload(7264, cpu, [0] * 909, xs, [0, 1, 0], offsets, 0) is NotImplemented
-        assert C._pack_payload(2**64, cpu, [7, 8], xs, [0, 1, 0], offsets, 0) is NotImplemented
-        # the gathered bytes of two ranks: every header, and each tensor's parts (only inside the rows)
-        g = torch.stack([buf, buf])
-        assert C._int_rows(g, 2) == [[7, 8], [7, 8]] and C._int_rows(g, 909) is NotImplemented
-        parts = C._blocks(g, 0, [torch.float32] * 3, [(300, 2), (300, 2), (300, 2)], offsets, [True, True, True])
-        assert torch.equal(parts[0], torch.cat([xs[0], xs[0]]))
-        f32 = [torch.float32]
-        assert C._blocks(g, 0, f32, [hostile([300, 2])], [64], [True]) is NotImplemented
-        assert C._blocks(g, 0, f32, [(300, 2)], hostile([64]), [True]) is NotImplemented
-        assert C._blocks(g, 0, f32, [(300, 2)], [7264 - 2396], [True]) is NotImplemented
-        assert C._blocks(g, 2**63 - 8, f32, [(300, 2)], [64], [True]) is NotImplemented
-        assert C._blocks(g, 0, f32, [(2**62, 2**62)], [64], [True]) is NotImplemented
-        assert C._blocks(g, 0, [NotATensor()], [(300, 2)], [64], [True]) is NotImplemented
-        assert C._blocks(NotATensor(), 0, f32, [(300, 2)], [64], [True]) is NotImplemented
-    """,
-    "pack_payload_list_emptied_by_a_collection": """
-        import functools
+        codes, others = emptied_by_a_collection(C._leaf_facts, xs)
+        assert len(codes) == 256 and codes == codes[:4] * 64 and others == [] and not xs
         xs = [torch.randn(300, 2) for _ in range(64)]
-        offsets = [2400 * i for i in range(64)]
-        pack = functools.partial(C._pack_payload, 2400 * 64, torch.device("cpu"), [])  # (no allocation per call)
-        got = emptied_by_a_collection(pack, xs, [0] * 64, offsets, 0)
-        assert got.shape == (2400 * 64,) and not xs, got
-    """,
-    # _tensor_facts borrows them too: every Tensor is taken before its tuple is made
-    "tensor_facts_list_emptied_by_a_collection": """
-        xs = [torch.randn(300, 2) for _ in range(64)]
-        got = emptied_by_a_collection(C._tensor_facts, xs)  # the collection: at the call's own tuple
-        assert got == (300, 2, torch.float32, False) * 64 and not xs, got
+        assert emptied_by_a_collection(C._batch_size, xs, list(range(64)), [0] * 64) == 300  # (allocates nothing)
     """,
     # _narrow_many borrows the list's items too: every Tensor is taken before the first allocation
     "narrow_many_list_emptied_by_a_collection": """
@@ -370,13 +307,6 @@ ENTRY_POINT_CASES = {
         assert emptied_by_a_collection(C._same_dicts, dicts, keys, values) is True
         assert C._same_dicts([{}], [()], [(1,)]) is NotImplemented
         assert C._same_dicts([NotATensor()], [()], [()]) is NotImplemented
-    """,
-    # _plain_batch borrows the list's items: a collection run by an allocation (here a finalizer that empties the
-    # list) must not come before the last item is read
-    "plain_batch_list_emptied_by_a_collection": """
-        xs = [torch.randn(300, 2) for _ in range(64)]
-        got = emptied_by_a_collection(C._plain_batch, xs, [0] * 64, False)
-        assert got == (300, [0] * 64, -1) and not xs, got
     """,
 }
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -54,11 +54,11 @@ def fingerprint(items: Any) -> int:
 
 class StepRecord:
     """One rank's forward as the checks see it: its status, and ``items`` (name -> text), what the ranks compare,
-    by their fingerprint ``fp``. A step that runs gets its fingerprint from its call program's, which is made once
-    per key, and what each call adds (with the global batch: ``B``, the split, the split leaves' shapes); its items
-    are put into words only when the ranks disagree."""
+    by their fingerprint ``fp``. A step that planned gets its fingerprint from its call program's, made once per
+    key, and what its call adds (with the global batch: ``B``, the split, the split leaves' shapes); its items are
+    put into words from its ``plan`` only when the ranks disagree."""
 
-    __slots__ = ("status", "error", "_items", "_fp", "_describe")
+    __slots__ = ("status", "error", "_items", "_fp", "_plan", "_per_rank")
 
     def __init__(
         self,
@@ -66,15 +66,17 @@ class StepRecord:
         error: BaseException | None,
         items: dict[str, str] | None = None,
         fp: int | None = None,
-        describe: Callable[[], dict[str, str]] | None = None,
+        plan: CallPlan | None = None,
+        per_rank: bool = False,
     ) -> None:
-        self.status, self.error, self._items, self._fp, self._describe = status, error, items, fp, describe
+        self.status, self.error, self._items, self._fp = status, error, items, fp
+        self._plan, self._per_rank = plan, per_rank
 
     @property
     def items(self) -> dict[str, str]:
         if self._items is None:
-            self._items = self._describe() if self._describe is not None else {}
-            self._describe = None  # (it holds the call's plan: let it go)
+            plan, self._plan = self._plan, None  # (it holds the call's values: let them go)
+            self._items = describe_step(plan, None, self._per_rank, False).items if plan is not None else {}
         return self._items
 
     @property
@@ -140,28 +142,24 @@ def describe_step(plan: CallPlan | None, error: BaseException | None, per_rank: 
 def step_record(plan: CallPlan, per_rank: bool) -> StepRecord:
     """The record of a forward that planned: its fingerprint from the call program's (made at the key's first
     call: the structure, specs, dtypes, dims and batch axes) and, with the global batch, from what this call adds
-    (``B``, the split, the split leaves' shapes), all ints, hashed the same in every process. Its items are put
-    into words only when the ranks disagree."""
-    program, flat = plan.tree.program, plan.tree.flat
+    (``B``, the split, the split leaves' shapes): ints, which every process hashes alike. Its items are put into
+    words only when the ranks disagree."""
+    program = plan.tree.program
     base = program.fingerprint
     if base is None:
         base = program.fingerprint = fingerprint(list(describe_step(plan, None, True, False).items.items()))
-    describe = functools.partial(_items, plan, per_rank)
     if per_rank:
-        return StepRecord(OK, None, None, base, describe)
-    facts: list[int] = [-1 if plan.batch_size is None else plan.batch_size, plan.balance is not None, *plan.sizes, -2]
-    for i, kind in zip(program.mapped, program.kinds):
-        v = flat[i]
-        if kind == "tensor":
-            facts.extend(v.shape)
-            facts.append(-2)
-        else:  # a PackedSequence, items, a jagged or quantized tensor: its shape in words
-            facts.append(fingerprint(shape_text(v)))
-    return StepRecord(OK, None, None, hash((base, tuple(facts))), describe)
-
-
-def _items(plan: CallPlan, per_rank: bool) -> dict[str, str]:
-    return describe_step(plan, None, per_rank, False).items
+        return StepRecord(OK, None, None, base, plan, True)
+    flat = plan.tree.flat
+    if program.only_tensors:
+        shapes = tuple([flat[i].shape for i in program.mapped])
+    else:  # (items, a PackedSequence, a jagged tensor: their shapes in words)
+        shapes = tuple(
+            [flat[i].shape if k == "tensor" else shape_text(flat[i]) for i, k in zip(program.mapped, program.kinds)]
+        )
+        shapes = (fingerprint(shapes),)
+    batch = -1 if plan.batch_size is None else plan.batch_size
+    return StepRecord(OK, None, None, hash((base, batch, plan.balance is not None, tuple(plan.sizes), shapes)), plan)
 
 
 def chain_row(records: Sequence[StepRecord]) -> list[int]:

@@ -108,8 +108,8 @@ def through_input_grads(tree: Any, group: RankGroup, average: bool) -> dict:
 
     Only leaf tensors are scaled: the gradient of an input computed by an earlier call (a recurrent state fed back)
     flows on into that call's graph, where DDP's averaging already accounts for it."""
-    flat = tree.flat
-    where = [i for i in tree.program.grad if average or flat[i].is_leaf]  # (the program knows which require grad)
+    grad, flat = tree.program.grad, tree.flat  # (the program knows which require grad)
+    where = [i for i in grad if average or flat[i].is_leaf] if grad else grad
     if not where:
         return {}
     values = [flat[i] for i in where]

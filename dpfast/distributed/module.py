@@ -237,7 +237,7 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
                 raise error
             return self._keep_step(record, ran_forward=False)
         args, kw = self._take_share(plan, inputs, kwargs)
-        first = plan.replicas[0][0] if self.inputs == "global" and plan.mode == "split" else 0  # buffers' source
+        first = plan.sizes.index(next(filter(None, plan.sizes))) if plan.mode == "split" else 0  # buffers' source
         return self._run_share(record, args, kw, first)
 
     def _record(self, plan: CallPlan | None, error: BaseException | None) -> StepRecord:

@@ -22,6 +22,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from ..plan.program import ProgramCache
 from ..trees.containers import TreeDef
+from ..trees.facts import leaf_facts
 from ..trees.specs import Leaf, Spec
 from ..trees.walk import walk
 from .agreement import fingerprint
@@ -225,7 +226,7 @@ class ExchangeLayouts:
             self.spec, self.layouts = copy.deepcopy((spec, dim, explicit)), ProgramCache()
         tdef, values, key = walk(out, spec, "output", dim, explicit, "out_dims", None)
         if key is not None:
-            key = (key, tuple(v.shape if isinstance(v, Tensor) else None for v in values))
+            key = (key, leaf_facts(values), tuple(v.shape if isinstance(v, Tensor) else None for v in values))
             layout = self.layouts.get(key)
             if layout is not None:
                 got = _sorted_by(layout, tdef, values)

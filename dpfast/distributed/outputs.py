@@ -38,29 +38,39 @@ _LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 _FORMAT_BITS = 62  # the first spatial tensors whose memory format the header carries (bits 1..62 of its last field)
 
 
-def _write(buf: Tensor, ints: list[int], got: SortedOutputs | None, place: Placement, base: int) -> None:
-    """``ints`` (int64) at the start of ``buf``; then, with ``got``, its tensors' bytes where ``place`` puts them
-    in a payload that starts at ``base`` ("cat" tensors with their rows along axis 0)."""
-    buf[: 8 * len(ints)].view(torch.int64).copy_(torch.tensor(ints, dtype=torch.int64))
-    if got is None:
-        return
-    layout = got.layout
-    with torch.no_grad():
-        for t, kind, axis, off, n, shape in zip(
-            got.tensors, layout.kinds, layout.axes, place.offsets, place.nbytes, place.shapes
-        ):
-            if n:
-                src = t.movedim(axis, 0) if axis and kind == "cat" else t  # (a 0-dim "cat" tensor: one row)
-                buf[base + off : base + off + n].view(t.dtype).view(shape).copy_(src)
-
-
 def _payload_bytes(
     size: int, group: RankGroup, ints: list[int], got: SortedOutputs | None, place: Placement, base: int
 ) -> Tensor:
-    """``size`` bytes to send: ``ints`` then (with ``got``) its tensors, as :func:`_write` puts them."""
-    buf = torch.zeros(size, dtype=torch.uint8, device=group.comm_device)
-    _write(buf, ints, got, place, base)
-    return buf
+    """``size`` bytes to send: ``ints`` (int64) from byte 0; then, with ``got``, its tensors' bytes where ``place``
+    puts them in a payload that starts at ``base`` ("cat" tensors with their rows along axis 0); zeros elsewhere.
+    One ``torch.cat`` of byte views (a tensor not contiguous in that order is copied once)."""
+    device = group.comm_device
+    pieces = [torch.tensor(ints, dtype=torch.int64, device=device).view(torch.uint8)]
+    at = 8 * len(ints)
+    if got is not None:
+        layout = got.layout
+        with torch.no_grad():
+            for t, kind, axis, off, n in zip(got.tensors, layout.kinds, layout.axes, place.offsets, place.nbytes):
+                if n:
+                    src = t.movedim(axis, 0) if axis and kind == "cat" else t  # (a 0-dim "cat" tensor: one row)
+                    pieces.append(_zeros(base + off - at, device))
+                    pieces.append(src.reshape(-1).view(torch.uint8).to(device))
+                    at = base + off + n
+    pieces.append(_zeros(size - at, device))
+    return torch.cat(pieces)
+
+
+_ZEROS: dict[tuple[int, torch.device], Tensor] = {}
+
+
+def _zeros(n: int, device: torch.device) -> Tensor:
+    """``n`` zero bytes on ``device``: the gaps of a payload, the same few sizes every step (never written to)."""
+    got = _ZEROS.get((n, device))
+    if got is None:
+        if len(_ZEROS) >= 64:
+            _ZEROS.clear()
+        got = _ZEROS[(n, device)] = torch.zeros(n, dtype=torch.uint8, device=device)
+    return got
 
 
 def _ints(gathered: Tensor, count: int) -> list[list[int]]:

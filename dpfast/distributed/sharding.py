@@ -146,7 +146,7 @@ def rank_call(
     share = _share_of(rank, world, plan.batch_size, tuple(plan.sizes))
     start, stop = share.start, share.stop
     if stop > start:
-        return RankCall(*cut_rows(plan, start, stop - start, subs), share)
+        return RankCall(*take_rows(plan.tree, start, stop - start, subs), share)
     try:
         empty = cut_rows(plan, start, 0, subs)
     except ValueError:  # a PackedSequence or jagged tensor cannot hold zero samples: straight to the ghost

@@ -88,7 +88,7 @@ def gather_outputs(
     """
     spec, explicit = (dim if out_dims is None else out_dims), out_dims is not None
     # (a gather program depends on the outputs' structure only: the tensors' facts are checked as they are gathered)
-    walks = [walk(out, spec, "output", dim, explicit, "out_dims", None, facts=False) for out in outputs]
+    walks = [walk(out, spec, "output", dim, explicit, "out_dims", None) for out in outputs]
     key = walks[0][2]
     same = key is not None and all(w[2] == key for w in walks[1:])
     if not same:

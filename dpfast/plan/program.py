@@ -15,7 +15,6 @@ Nothing in a program holds a call's values or is keyed on an object's identity. 
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -24,40 +23,48 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
+from ..ext.loader import C
 from ..trees.binding import BoundArguments
 from ..trees.containers import packed_batch
 from ..trees.facts import memory_order
 from ..trees.specs import Leaf
 from .call_checks import check_batch, check_input_devices, map_leaves
 
+_read_batch = getattr(C, "_batch_size", None) if C is not None else None  # (csrc/python_many.cpp)
 PROGRAMS_KEPT = 32  # per wrapper: a workload of a few structures (train, eval, a last smaller batch) keeps them all
 
 
 class ProgramCache:
-    """Programs by key, the least recently used dropped past :data:`PROGRAMS_KEPT` (calls from several threads may
-    share a wrapper)."""
+    """Programs by key, the least recently used dropped past :data:`PROGRAMS_KEPT`. Calls from several threads may
+    share a wrapper: each step is one dict operation (atomic), and a program another thread dropped meanwhile is
+    merely compiled again."""
 
     def __init__(self, size: int = PROGRAMS_KEPT) -> None:
         self.size = size
         self._programs: OrderedDict[Any, Any] = OrderedDict()
-        self._lock = threading.Lock()
         self.compiled = 0  # how many programs were compiled (tests read it)
 
     def __len__(self) -> int:
         return len(self._programs)
 
     def get(self, key: Any) -> Any:
-        with self._lock:
-            program = self._programs.get(key)
-            if program is not None:
-                self._programs.move_to_end(key)
-            return program
+        programs = self._programs
+        program = programs.get(key)
+        if program is not None:
+            try:  # noqa: SIM105 - (suppress() costs a call on every call)
+                programs.move_to_end(key)
+            except KeyError:  # (another thread dropped it just now)
+                pass
+        return program
 
     def put(self, key: Any, program: Any) -> None:
-        with self._lock:
-            self._programs[key] = program
-            if len(self._programs) > self.size:
-                self._programs.popitem(last=False)
+        programs = self._programs
+        programs[key] = program
+        while len(programs) > self.size:
+            try:
+                programs.popitem(last=False)
+            except KeyError:
+                break
 
 
 class CallProgram:
@@ -128,6 +135,10 @@ class CallProgram:
         when the mapped leaves disagree (or one has no batch axis)."""
         if not self.mapped:
             return None
+        if self.only_tensors and _read_batch is not None:  # (one call into the extension reads them all)
+            batch = _read_batch(tree.flat, self.mapped, self.axes)
+            if type(batch) is int:
+                return batch
         sizes = self.sizes(tree.flat)
         if sizes[0] is not None and sizes.count(sizes[0]) == len(sizes):
             return sizes[0]
@@ -137,11 +148,12 @@ class CallProgram:
 def program_for(tree: BoundArguments, devices: Sequence[torch.device]) -> CallProgram:
     """The program of ``tree``'s key on ``devices`` (compiled at the key's first call, which raises what its
     arguments get wrong; a call whose key cannot be compared by value is compiled every time)."""
-    binding = tree.binding
+    binding, key = tree.binding, tree.key
     cache = binding.programs
     if cache is None:
         cache = binding.programs = ProgramCache()
-    key = None if tree.key is None else (tree.key, devices[0].type if devices else None, len(devices) == 1)
+    if devices:  # (DataParallel's: what the inputs' devices are checked against, and whether anything splits)
+        key = None if key is None else (key, devices[0].type, len(devices) == 1)
     program = cache.get(key) if key is not None else None
     if program is None:
         program = CallProgram(tree, devices)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any, Callable
 
 from .containers import LEAF, TreeDef
+from .facts import leaf_facts
 from .flatten import unflatten_from
 from .specs import ITEMS, Leaf, Spec, is_int, is_leaf_spec, validate_spec
 from .walk import Walk
@@ -52,6 +53,7 @@ class Binding:
         self.kwargs_only: list[str] = []
         self._warned: set[str] = set()
         self.programs: Any = None  # planning's call programs for calls bound here, keyed by value
+        self._bound: dict[tuple, tuple] = {}  # (positional count, keywords) -> what bind() gives them
         if in_dims is None:
             return
         if is_int(in_dims) or (isinstance(in_dims, str) and in_dims == ITEMS):
@@ -147,6 +149,18 @@ class Binding:
 
     # -- per call --------------------------------------------------------------------------------------------
 
+    def bind(self, n_args: int, kw_keys: tuple) -> tuple[list[tuple[str, str, Spec, bool]], list[str]]:
+        """Per argument of a call with ``n_args`` positional arguments and these keywords, ``(the in_dims name it
+        answers to, its path, its spec, whether in_dims gave it)``, and those names; worked out once per such
+        call."""
+        got = self._bound.get((n_args, kw_keys))
+        if got is None:
+            bound = [self.positional(i, n_args) for i in range(n_args)] + [self.keyword(k) for k in kw_keys]
+            if len(self._bound) >= 64:
+                self._bound.clear()
+            got = self._bound[(n_args, kw_keys)] = (bound, [b[0] for b in bound])
+        return got
+
     def positional(self, i: int, n_given: int) -> tuple[str, str, Spec, bool]:
         """``(argument name, path, spec, explicit)`` for the ``i``-th positional argument of a call."""
         if not self.has_signature:
@@ -237,26 +251,25 @@ class BoundArguments:
 
     def __init__(self, binding: Binding, args: Sequence[Any], kwargs: dict[str, Any]):
         self.binding = binding
-        self.n_args = len(args)
-        self.kw_keys = tuple(kwargs.keys())
-        self.values = (*args, *kwargs.values())  # the top-level arguments, as given
-        self._bound = [binding.positional(i, len(args)) for i in range(len(args))]
-        self._bound += [binding.keyword(k) for k in kwargs]
-        self.arg_names: list[str] = [name for name, _, _, _ in self._bound]  # the in_dims name each answers to
+        self.n_args = n = len(args)
+        self.kw_keys = tuple(kwargs)
+        self.values = (*args, *kwargs.values()) if kwargs else tuple(args)  # the top-level arguments, as given
+        # per argument: (the in_dims name it answers to, its path, spec, whether given); and the names alone
+        self._bound, self.arg_names = binding.bind(n, self.kw_keys)
         walk = Walk(binding.default, "in_dims")
         self.arg_defs: list[TreeDef] = self._walk(walk)
         self.flat: list = walk.values
-        self.key = (self.n_args, self.kw_keys, tuple(walk.key)) if walk.cacheable else None
+        self.key = (n, self.kw_keys, tuple(walk.key), leaf_facts(self.flat)) if walk.cacheable else None
         self.program: Any = None  # planning's program for this call, which marks the records it makes
         self._leaves: list[Leaf] | None = None
         if binding.kwargs_only:
             binding.warn_unused(kwargs)
 
     def _walk(self, walk: Walk) -> list[TreeDef]:
-        return [
-            walk.run(value, spec, path, explicit, a)
-            for a, ((_, path, spec, explicit), value) in enumerate(zip(self._bound, self.values))
-        ]
+        defs = []
+        for a, (_, path, spec, explicit) in enumerate(self._bound):
+            defs.append(walk.run(self.values[a], spec, path, explicit, a))
+        return defs
 
     @property
     def leaves(self) -> list[Leaf]:
@@ -295,7 +308,7 @@ class BoundArguments:
         """The call's ``(args, kwargs)`` with the leaves replaced by ``new_leaves`` (same order); ``own_caches``
         makes every KV cache a new object (a replica's own, see :func:`~dpfast.trees.flatten.unflatten_from`)."""
         n = self.n_args
-        if len(new_leaves) == len(self.values) and all(d is LEAF for d in self.arg_defs):
+        if len(new_leaves) == len(self.values) and self.arg_defs.count(LEAF) == len(self.arg_defs):
             return tuple(new_leaves[:n]), dict(zip(self.kw_keys, new_leaves[n:]))  # every argument one leaf
         it = iter(new_leaves)
         values = [unflatten_from(d, it, own_caches) for d in self.arg_defs]

@@ -5,7 +5,9 @@ A container whose children all come back unchanged is returned as itself.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Iterator
+from itertools import islice
 from typing import Any, Callable
 
 from .containers import LEAF, TreeDef, is_cache, rebuild
@@ -36,6 +38,9 @@ def unflatten_from(tdef: TreeDef, it: Iterator, own_caches: bool = False) -> Any
     frames = [(tdef, iter(tdef.children), [], own_caches and _is_cache_node(tdef))]
     while True:
         node, children, values, inside_cache = frames[-1]
+        if not values and node.children.count(LEAF) == len(node.children):  # a container of leaves: at once
+            values.extend(islice(it, len(node.children)))
+            children = iter(())
         for child in children:
             if child is LEAF:
                 values.append(next(it))
@@ -44,7 +49,7 @@ def unflatten_from(tdef: TreeDef, it: Iterator, own_caches: bool = False) -> Any
             break
         else:
             frames.pop()
-            if not inside_cache and node.orig is not None and all(a is b for a, b in zip(values, node.orig_values)):
+            if not inside_cache and node.orig is not None and all(map(operator.is_, values, node.orig_values)):
                 result = node.orig
             else:
                 result = rebuild(node, values)

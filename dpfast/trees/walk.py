@@ -1,6 +1,6 @@
 """The one walk of a value with its spec: its leaves in order, its :class:`~dpfast.trees.containers.TreeDef`, and
-the value's *key* (its structure and each leaf's facts, by value) or one :class:`~dpfast.trees.specs.Leaf` record
-per leaf.
+its *structure* (by value: with the leaves' facts, :func:`~dpfast.trees.facts.leaf_facts`, the value's key), or one
+:class:`~dpfast.trees.specs.Leaf` record per leaf.
 
 Every call walks its arguments (and every replica's outputs) once, for their key; a call program is looked up by
 it (:mod:`dpfast.plan.program`). Only a call of a key not seen before is walked again, recording each leaf's path
@@ -35,12 +35,14 @@ from .containers import (
     node_kind,
     node_parts,
 )
-from .facts import leaf_fact, tensor_fact
 from .specs import ITEMS, REDUCTIONS, Leaf, Spec, is_int, is_leaf_spec, path_text
 
 MAX_VALUES = 1_000_000  # values one walk reads (leaves and containers): a bigger tree is refused, not walked
 # the dict keys a key holds, compared by value (others make a value that is walked in full at every call)
 _VALUE_KEYS = (str, int, float, bool, bytes, complex, type(None), enum.Enum)
+
+
+_TENSOR = frozenset({Tensor})
 
 
 def only_atoms(value: Any, kind: str | None) -> bool:
@@ -62,40 +64,37 @@ class Walk:
     """Walks that share one budget of :data:`MAX_VALUES` values (a call's arguments, one after the other), into one
     list of leaf values, and either the key (``records`` None) or one Leaf record per leaf (``records`` a list).
 
-    ``key`` holds, in walk order, one entry per container (its kind, type, and its keys or length) and one per leaf
-    (:func:`~dpfast.trees.facts.leaf_fact`): equal keys mean the same structure and the same facts, so the same
-    program. ``cacheable`` turns False for a value whose key cannot be compared by value (a dict keyed by objects),
-    which is then compiled at every call."""
+    ``key`` holds the structure, in walk order: one entry per container (its kind, type, and its keys or length)
+    and a 0 per leaf; with the leaves' facts it is the value's key (equal keys: the same program). ``cacheable``
+    turns False for a value whose structure cannot be compared by value (a dict keyed by objects), which is then
+    compiled at every call."""
 
-    __slots__ = ("default", "what", "values", "records", "key", "facts", "cacheable", "whole_atoms", "arg", "budget",
-                 "active")  # fmt: skip
+    __slots__ = ("default", "what", "values", "records", "key", "cacheable", "whole_atoms", "arg", "budget", "active")
 
-    def __init__(
-        self,
-        default: Spec,
-        what: str,
-        records: list[Leaf] | None = None,
-        whole_atoms: bool = True,
-        facts: bool = True,
-    ):
+    def __init__(self, default: Spec, what: str, records: list[Leaf] | None = None, whole_atoms: bool = True):
         self.default, self.what, self.records, self.whole_atoms = default, what, records, whole_atoms
-        self.facts = facts  # False: the key holds the structure only (each leaf is a 0)
         self.values: list = []
         self.key: list = []
         self.cacheable = True
         self.arg = -1
         self.budget = MAX_VALUES
-        self.active: set[int] = set()  # ids of the containers on the current path
+        self.active: set[int] | None = None  # ids of the containers on the current path (made at the first)
 
     def run(self, value: Any, spec: Spec, where: Any, explicit: bool, arg: int = -1) -> TreeDef:
         """Walk one value; its leaves belong to top-level argument ``arg``. Returns its TreeDef."""
         self.arg = arg
+        if (type(spec) is int or spec is None) and type(value) is Tensor:  # an argument that is one tensor
+            if self.records is not None:
+                self.records.append(Leaf(where, value, spec, explicit, arg, len(self.values)))
+            self.values.append(value)
+            self.key.append(0)
+            return LEAF
         top = self.open(value, spec, where, explicit)
         if top is None:
             return LEAF
         if type(top) is TreeDef:
             return top
-        values, records, key, facts, frames = self.values, self.records, self.key, self.facts, [top]
+        values, records, key, frames = self.values, self.records, self.key, [top]
         while frames:
             node, children, where, kind = frames[-1]
             kids = node.children
@@ -105,7 +104,7 @@ class Walk:
                     if records is not None:
                         records.append(Leaf((where, kind, k), v, s, e, arg, len(values)))
                     values.append(v)
-                    key.append((None if v is None else tensor_fact(v)) if facts else 0)
+                    key.append(0)
                     kids.append(LEAF)
                     continue
                 frame = self.open(v, s, (where, kind, k), e)
@@ -120,7 +119,7 @@ class Walk:
                 break
             else:
                 frames.pop()
-                self.active.discard(id(node.orig))
+                self.active.discard(id(node.orig))  # type: ignore[union-attr]
         return top[0]
 
     def tensors(self, tdef: TreeDef, values: tuple, spec: Spec, where: Any, explicit: bool) -> TreeDef:
@@ -131,7 +130,7 @@ class Walk:
                 Leaf((where, kind, k), v, spec, explicit, arg, n + i) for i, (k, v) in enumerate(zip(tdef.keys, values))
             )
         self.values.extend(values)
-        self.key.extend(map(tensor_fact, values) if self.facts else [0] * len(values))
+        self.key.extend([0] * len(values))
         tdef.children = [LEAF] * len(values)
         return tdef
 
@@ -145,7 +144,7 @@ class Walk:
         if self.records is not None:
             self.records.append(Leaf(where, value, spec, explicit, self.arg, len(self.values)))
         self.values.append(value)
-        self.key.append(leaf_fact(value) if self.facts else 0)
+        self.key.append(0)
 
     def open(self, value: Any, spec: Spec, where: Any, explicit: bool) -> tuple | TreeDef | None:
         """Emit ``value`` as a leaf (returns None), or open it as a container: ``(TreeDef, children, where, kind)``
@@ -171,7 +170,9 @@ class Walk:
             spec = self.container_spec(value, kind, spec, where)
             meta, keys, values = self.read(value, kind, where)
             specs, explicits = self.child_specs(value, kind, keys, spec, where)
-        if id(value) in self.active:
+        if self.active is None:
+            self.active = set()
+        elif id(value) in self.active:
             noun = "output" if self.what == "out_dims" else "argument"
             raise ValueError(
                 f"`{path_text(where)}` is a {type(value).__name__} that contains itself (it is one of the containers "
@@ -180,7 +181,7 @@ class Walk:
             )
         self.key.append(self.container_key(kind, value, keys))
         tdef = TreeDef(kind, meta, keys, value, values)
-        if (type(spec) is int or spec is None) and values and all(type(v) is Tensor for v in values):
+        if (type(spec) is int or spec is None) and values and _TENSOR.issuperset(map(type, values)):
             return self.tensors(tdef, values, spec, where, explicit)
         self.active.add(id(value))
         return tdef, zip(keys, values, specs, explicits), where, kind
@@ -276,10 +277,9 @@ def walk(
     explicit: bool,
     what: str,
     records: list[Leaf] | None,
-    facts: bool = True,
 ):
-    """One value walked with its spec: ``(TreeDef, leaf values, key or None)`` (None: it cannot be compared by
-    value), with one Leaf record per leaf appended to ``records`` when given (``facts``: see :class:`Walk`)."""
-    w = Walk(default, what, records, facts=facts)
+    """One value walked with its spec: ``(TreeDef, leaf values, structure or None)`` (None: it cannot be compared
+    by value), with one Leaf record per leaf appended to ``records`` when given."""
+    w = Walk(default, what, records)
     tdef = w.run(value, spec, path, explicit)
     return tdef, w.values, tuple(w.key) if w.cacheable else None

@@ -16,7 +16,6 @@
 #include <torch/csrc/Exceptions.h>
 
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 namespace dpfast {
@@ -35,20 +34,6 @@ bool holds_exactly(PyObject* now, PyObject* keys, PyObject* values) {
   return i == n;
 }
 
-// A dict's version tag (PEP 509): CPython gives a dict a new one, unique among all dicts, when it is made and at
-// every change of an entry (not when a key is set to the very value it holds). Equal to one read earlier, the dict
-// is that very dict and holds what it held then, without reading its entries. Read on CPython < 3.12 only (the
-// field is deprecated in 3.12, its low bits then hold watcher flags, and it is gone in 3.14); 0 (unknown)
-// elsewhere, and the entries are compared.
-uint64_t version_of(PyObject* dict) {
-#if PY_VERSION_HEX < 0x030C0000 && !defined(PYPY_VERSION)
-  return reinterpret_cast<PyDictObject*>(dict)->ma_version_tag;
-#else
-  (void)dict;
-  return 0;
-#endif
-}
-
 // Whether the dicts `a` and `b` hold the same entries in the same order, by identity.
 bool same_entries(PyObject* a, PyObject* b) {
   if (a == b) return true;
@@ -61,24 +46,16 @@ bool same_entries(PyObject* a, PyObject* b) {
   return true;
 }
 
-// _same_dicts(dicts, keys, values[, versions]) -> bool | NotImplemented
+// _same_dicts(dicts, keys, values) -> bool | NotImplemented
 //   Whether every dicts[i] holds exactly the keys keys[i] (a tuple), in order, each bound to the very object at
 //   the same place of values[i]: what dpfast/run/shallow_snapshots.py's `same` tells of one dict, for all of them.
-//   `versions`, a bytearray of at least 8 * len(dicts) bytes kept with the snapshots (zeros at first): dicts[i]
-//   whose version tag is the one recorded at slot i held exactly its snapshot then, and still does; any other is
-//   compared entry by entry, and its tag recorded once it matches. NotImplemented for lists of different lengths,
-//   anything but exact lists/tuples, dicts and tuples, or a `versions` that is not such a bytearray.
+//   NotImplemented for lists of different lengths, or anything but exact lists/tuples, dicts and tuples.
 PyObject* py_same_dicts(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   PyObject *const *dicts, *const *keys, *const *values;
   Py_ssize_t n, nk, nv;
-  if (nargs < 3 || nargs > 4 || !items_of(args[0], dicts, n) || !items_of(args[1], keys, nk) ||
-      !items_of(args[2], values, nv) || nk != n || nv != n) {
+  if (nargs != 3 || !items_of(args[0], dicts, n) || !items_of(args[1], keys, nk) || !items_of(args[2], values, nv) ||
+      nk != n || nv != n) {
     return not_implemented();
-  }
-  char* versions = nullptr;  // (a bytearray's buffer, 8 bytes a slot: written in place, nothing allocated)
-  if (nargs == 4 && args[3] != Py_None) {
-    if (!PyByteArray_CheckExact(args[3]) || PyByteArray_GET_SIZE(args[3]) / 8 < n) return not_implemented();
-    versions = PyByteArray_AS_STRING(args[3]);
   }
   // The items are borrowed: nothing below runs Python code or allocates, so none can be freed meanwhile.
   for (Py_ssize_t i = 0; i < n; ++i) {
@@ -88,14 +65,7 @@ PyObject* py_same_dicts(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
   }
   for (Py_ssize_t i = 0; i < n; ++i) {
-    const uint64_t version = version_of(dicts[i]);
-    if (versions != nullptr && version != 0) {
-      uint64_t seen;
-      std::memcpy(&seen, versions + 8 * i, sizeof seen);  // (a bytearray's buffer need not be 8-byte aligned)
-      if (seen == version) continue;
-    }
     if (!holds_exactly(dicts[i], keys[i], values[i])) Py_RETURN_FALSE;
-    if (versions != nullptr) std::memcpy(versions + 8 * i, &version, sizeof version);
   }
   Py_RETURN_TRUE;
 }

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .rebinding import rebind
-from .shallow_snapshots import all_same, restore, snap, versions_for
+from .shallow_snapshots import all_same, restore, snap
 
 # The hook registries of an nn.Module that a forward (or backward) consults.
 HOOK_DICTS = (
@@ -81,7 +81,6 @@ class SourceSnapshot:
         self.keys, self.values = [k for k, _ in snaps], [v for _, v in snaps]
         n = len(self.modules)
         self.dict_keys, self.dict_values = self.keys[:n], self.values[:n]  # the modules' __dict__s alone
-        self.versions = versions_for(len(snaps))  # for every check against these snapshots (all_same)
         self._tensors: list[torch.Tensor] | None = None
         self.index = {id(m): i for i, m in enumerate(self.modules)}
         self.params = list(root.parameters())  # deduplicated: a tied parameter is broadcast once, as in torch
@@ -101,7 +100,7 @@ class SourceSnapshot:
         return (
             modules[0] is root
             and all(map(operator.is_, map(type, modules), self.types))  # a __class__ swap leaves the dicts as they were
-            and all_same([m.__dict__ for m in modules] + self.own_dicts, self.keys, self.values, self.versions)
+            and all_same([m.__dict__ for m in modules] + self.own_dicts, self.keys, self.values)
         )
 
     def tensors(self) -> list[torch.Tensor]:
@@ -152,10 +151,6 @@ class Replica:
                     new = rebind(v, replica_of)
                     if new is not v:
                         r.__dict__[key] = new
-        # an RNN's _flat_weights list and _former_parameters are the copy's own, but undo restores those objects and
-        # not their items (an RNN's __setattr__ writes into _flat_weights in place), so these are written every call
-        self._flat_slots = [(r, flat, k) for r, _, k, flat in self.param_slots if flat >= 0]
-        self._former_slots = [(r._former_parameters, key, k) for r, key, k, _ in self.param_slots]
         self._replica_of = replica_of
         # Each replica gets hook dicts of its own, copied from the module's (with bound methods rebound): a forward
         # that registers hooks (HF models install their output-capturing hooks on first use) must not add them to
@@ -172,34 +167,14 @@ class Replica:
         self.dirty = False  # written for a call since the last undo (its forward may have changed the copies)
         # each copy's __dict__, _parameters, _buffers and _modules, and what they held when built
         self._live = [d for r in copies for d in (r.__dict__, r._parameters, r._buffers, r._modules)]
-        self._pristine = [dict(d) for d in self._live]
-        # what an undo restores: the dicts as built, or as built with the parameters list `_params_in` written in
-        # (a replica on the module's own device is given the module's very parameters, the same list every call
-        # while the tree holds: restored with them, its _parameters need not be written again)
-        self._restore_to: list[dict] = self._pristine
-        self._params_in: list[torch.Tensor] | None = None
+        self._pristine = [dict(d) for d in self._live]  # what an undo restores: the dicts as built
 
-    def write(self, params: list[torch.Tensor], buffers: list[torch.Tensor], keep: bool = False) -> None:
-        """This call's parameters (the module's own, or a copy) and buffers (this replica's own) into the slots.
-        ``keep``: ``params`` is a list that later calls pass again (the module's own): undo restores the
-        ``_parameters`` dicts holding it, and a call passing that very list again writes only the copy's own
-        ``_flat_weights`` and ``_former_parameters`` (see ``_flat_slots``)."""
+    def write(self, params: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
+        """This call's parameters (the module's own, or a copy) and buffers (this replica's own) into the slots."""
         if self.dirty:  # (a set's refresh undoes all its replicas in one call first)
             undo_all([self])
         self.sync_hooks()
-        if params is self._params_in:
-            for r, flat, k in self._flat_slots:
-                r.__dict__["_flat_weights"][flat] = params[k]
-            for former, key, k in self._former_slots:
-                former[key] = params[k]
-        else:
-            self._write_params(params)
-            if keep:  # only the _parameters dicts differ from the built ones (buffers are written below)
-                restore_to = list(self._pristine)
-                restore_to[1::4] = [dict(d) for d in self._live[1::4]]
-                self._restore_to, self._params_in = restore_to, params
-            else:  # (undo must not put back parameters an earlier call kept: the slots hold others now)
-                self._restore_to, self._params_in = self._pristine, None
+        self._write_params(params)
         for r, key, k in self.buffer_slots:
             r._buffers[key] = buffers[k]
         self.holds_tensors = True
@@ -220,7 +195,6 @@ class Replica:
     def clear(self) -> None:
         """Drop the tensors of the last call that wrote them (memory, and the autograd graph they belong to)."""
         self.undo()
-        self._restore_to, self._params_in = self._pristine, None
         if not self.holds_tensors:
             return
         for r, key, _, flat in self.param_slots:
@@ -259,7 +233,7 @@ def undo_all(replicas: list[Replica]) -> None:
             own = replica._live
             own[::4] = map(DICT_OF, replica.modules)  # (a __dict__ can be replaced; the other three are in it)
             live += own
-            pristine += replica._restore_to
+            pristine += replica._pristine
     if live:
         restore(live, pristine)
         for replica in replicas:

@@ -13,8 +13,7 @@ broadcast copy elsewhere (one coalesced broadcast per device, connected to the o
 occurrence (the second replica on ``cpu``), built on first use, so one set serves every replica count a workload
 uses (a batch smaller than the device count runs the first slots). A call *leases* a set, and before any replica
 runs, the slots it uses are refreshed: what earlier forwards changed on the copies is undone, the module's hooks
-are copied, and this call's parameters and fresh buffers are written in (a replica on the module's own device keeps
-the module's parameters between calls: its slots are restored holding them); the set's other slots drop their tensors.
+are copied, and this call's parameters and fresh buffers are written in; the set's other slots drop their tensors.
 
 **When a lease ends.** The call's autograd graph may still read its replicas after the call (``torch.utils.
 checkpoint`` recomputes a forward from the replica's modules; a full backward hook gets the replica), so the set
@@ -185,7 +184,7 @@ class _ReplicaSet:
                 own = bcopies[c] if g not in taken else [fresh(b, detach) for b in bcopies[c]]
                 taken.add(g)
                 mine = pcopies[c]
-            replica.write(mine, own, keep=g is None)
+            replica.write(mine, own)
         used = replica = None  # (no local may hold a replica module when the counts are taken)
         self._own_refs = self._refcounts()
         return [self.replicas[key].root for key in slots]

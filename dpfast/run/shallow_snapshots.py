@@ -5,8 +5,7 @@ module (:mod:`dpfast.run.replica_copies`, :mod:`dpfast.run.write_watch`).
 A snapshot is ``(keys, values)``, two tuples. "The same" means the very same key and value objects in the same
 order: no ``__eq__`` runs (a tensor's would compare elements), and a key re-inserted as an equal but other string
 reads as a change, which costs only a rebuild. The checks of many dicts run in one call into the extension
-(``csrc/python_dicts.cpp``) where it is built, else here, with the same result; the extension skips the entries of
-a dict whose version tag (PEP 509) has not changed since it last found it the same.
+(``csrc/python_dicts.cpp``) where it is built, else here, with the same result.
 """
 
 from __future__ import annotations
@@ -33,21 +32,10 @@ def same(now: dict, snapshot: Snapshot) -> bool:
     return len(now) == len(keys) and all(map(operator.is_, now, keys)) and all(map(operator.is_, now.values(), values))
 
 
-def versions_for(snapshots: int) -> bytearray:
-    """Room for the version tags of ``snapshots`` dicts, for :func:`all_same` (nothing recorded yet)."""
-    return bytearray(8 * snapshots)
-
-
-def all_same(
-    dicts: Sequence[dict], keys: Sequence[tuple], values: Sequence[tuple], versions: bytearray | None = None
-) -> bool:
-    """Whether every ``dicts[i]`` is :func:`same` as the snapshot ``(keys[i], values[i])``.
-
-    ``versions`` (:func:`versions_for`, kept with these very snapshots and passed with them, or with a prefix of
-    them, every time): where the extension can read a dict's version tag (CPython < 3.12), a dict found the same is
-    recorded, and is the same at a later call whose tag is unchanged, without reading its entries."""
+def all_same(dicts: Sequence[dict], keys: Sequence[tuple], values: Sequence[tuple]) -> bool:
+    """Whether every ``dicts[i]`` is :func:`same` as the snapshot ``(keys[i], values[i])``."""
     if _fast_same is not None:
-        out = _fast_same(dicts, keys, values, versions)
+        out = _fast_same(dicts, keys, values)
         if out is not NotImplemented:  # (declined: an OrderedDict, whose order is not the dict's)
             return out
     if not len(dicts) == len(keys) == len(values):  # (as the extension declines: never a check cut short)

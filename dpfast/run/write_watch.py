@@ -50,7 +50,7 @@ class WriteWatch:
         """The modules' ``__dict__`` snapshots, their tensors and the tensors' versions, as they are now."""
         s = self.snapshot
         dicts = list(map(DICT_OF, s.modules))
-        if all_same(dicts + s.own_dicts, s.keys, s.values, s.versions):  # as the replicas were copied: still valid
+        if all_same(dicts + s.own_dicts, s.keys, s.values):  # as the replicas were copied: still valid
             keys, values, tensors = s.dict_keys, s.dict_values, s.tensors()
         else:
             snaps = [snap(d) for d in dicts]
@@ -67,9 +67,7 @@ class WriteWatch:
             return
         keys, values, tensors, versions = state
         # the same attributes (by identity: a new tensor attribute is a change too), and each tensor's version
-        # (the snapshot's own __dict__ snapshots come first in it: their dicts' tags are recorded with it)
-        tags = self.snapshot.versions if keys is self.snapshot.dict_keys else None
-        if all_same(list(map(DICT_OF, self.snapshot.modules)), keys, values, tags) and _versions(tensors) == versions:
+        if all_same(list(map(DICT_OF, self.snapshot.modules)), keys, values) and _versions(tensors) == versions:
             return
         self._report(i, keys, values, tensors, versions)
         self._state = self._take()

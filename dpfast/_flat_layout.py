@@ -1,6 +1,7 @@
-"""The module paths of dpfast's first, flat layout (``dpfast._binding``, ``dpfast._replicas``, ...), importable as
-aliases of the stage modules that hold their code now, so that a model saved whole with ``torch.save`` by that
-layout (its pickle names classes by module path) still loads. Nothing in dpfast imports these names.
+"""The module paths of dpfast's earlier layouts (``dpfast._binding``, ``dpfast._replicas``, ...,
+``dpfast.distributed.sharding``), importable as aliases of the modules that hold their code now, so that an object
+saved whole with ``torch.save`` by them (its pickle names classes by module path) still loads. Nothing in dpfast
+imports these names.
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ MOVED = {
     "dpfast._collectives": "dpfast.run.collectives",
     "dpfast._execute": "dpfast.run.execute",
     "dpfast._sync_batchnorm": "dpfast.run.sync_batchnorm",
-    "dpfast.distributed.collectives": "dpfast.distributed.exchanges",
+    "dpfast.distributed.collectives": "dpfast.distributed.group",
+    # the distributed modules regrouped since: a pickled Share (dpfast.distributed.Share) names its old module
+    "dpfast.distributed.sharding": "dpfast.distributed.inputs",
+    "dpfast.distributed.exchanges": "dpfast.distributed.group",
 }
 # classes renamed since: old module -> {old class name: its name now}
 RENAMED = {

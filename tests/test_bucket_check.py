@@ -8,7 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dpfast.distributed.bucket_check import BucketCheck, decode_table, encode_row
-from dpfast.distributed.exchanges import RankGroup
+from dpfast.distributed.group import RankGroup
 
 
 def _check(rank: int, world: int, row: list[int]) -> BucketCheck:

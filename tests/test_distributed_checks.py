@@ -20,8 +20,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import dpfast
+from dpfast.distributed.agreement import StepChecks
 from dpfast.distributed.bucket_check import BucketCheck, NativeBucketCheck
-from dpfast.distributed.checks import StepChecks
 
 from ddp_harness import GroupRuns, expect_batch_error, losses_loss, xy
 from dp_testing import DT, Losses

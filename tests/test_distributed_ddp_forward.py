@@ -1,4 +1,4 @@
-"""dpfast.distributed.ddp_overrides' forward: torch's DDP forward steps (pre-forward, the module, post-forward),
+"""dpfast.distributed.module runs torch's DDP forward steps (pre-forward, the module, post-forward),
 without the profiler label torch enters on every call (``record_function("DistributedDataParallel.forward")``,
 two calls through ``torch.ops`` a forward) unless a profiler is recording, where the label is there as in torch.
 When torch's forward is not the one these steps copy, torch's own forward runs.
@@ -17,8 +17,8 @@ from torch import nn
 from torch.autograd import profiler
 
 import dpfast
-from dpfast.distributed import ddp_overrides
-from dpfast.distributed.sharding import shard_range
+from dpfast.distributed import module as ddp_module
+from dpfast.distributed.inputs import shard_range
 
 from ddp_harness import GroupRuns
 
@@ -126,9 +126,9 @@ def _the_label_whichever_check_sees_a_profiler():
     _same_as_torch(torch_ddp, xs, ours, steps=2)
     for name, (model, x) in ours.items():
         for switch in (
-            _set(ddp_overrides, "_profiler_on", lambda: True),
+            _set(ddp_module, "_profiler_on", lambda: True),
             _set(profiler, "_is_profiler_enabled", True),
-            _set(ddp_overrides, "_compiling", lambda: True),
+            _set(ddp_module, "_compiling", lambda: True),
         ):
             with switch, _labels() as entered:
                 _step(model, x)
@@ -138,8 +138,8 @@ def _the_label_whichever_check_sees_a_profiler():
 
 def _torch_forward_when_its_steps_differ():
     """A torch whose DDP forward is not the one copied: torch's forward runs (its label with it), results alike."""
-    saved = ddp_overrides._TORCH_FORWARD_COPIED
-    ddp_overrides._TORCH_FORWARD_COPIED = False
+    saved = ddp_module._TORCH_FORWARD_COPIED
+    ddp_module._TORCH_FORWARD_COPIED = False
     try:
         torch_ddp, xs, ours = _wrappers()
         for name, (model, x) in ours.items():
@@ -148,7 +148,7 @@ def _torch_forward_when_its_steps_differ():
             assert entered.count(LABEL) == 1, (name, entered)
         _same_as_torch(torch_ddp, xs, ours)
     finally:
-        ddp_overrides._TORCH_FORWARD_COPIED = saved
+        ddp_module._TORCH_FORWARD_COPIED = saved
 
 
 # torch's DistributedDataParallel.forward as _ddp_forward copies it (torch 2.4 to 2.14 at least)
@@ -171,7 +171,7 @@ def test_the_copied_steps_are_torchs_forward():
     through torch's own forward (when the names differ) or through a copy to compare anew with torch's."""
     source = textwrap.dedent(inspect.getsource(nn.parallel.DistributedDataParallel.forward))
     assert ast.dump(ast.parse(source)) == ast.dump(ast.parse(_COPIED))
-    assert ddp_overrides._TORCH_FORWARD_COPIED
+    assert ddp_module._TORCH_FORWARD_COPIED
 
 
 def _scenarios(world):

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpfast.distributed.exchanges import RankGroup
+from dpfast.distributed.group import RankGroup
 from dpfast.distributed.output_layout import sort_outputs
 from dpfast.distributed.outputs import _decode, _ints, _payload_bytes
 

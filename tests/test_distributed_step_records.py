@@ -1,6 +1,6 @@
 """What DistributedDataParallel's checks compare, for calls planned by a program: the step record (its fingerprint
 from the program's and what the call adds, dpfast.distributed.agreement.step_record) and this rank's rows
-(dpfast.distributed.sharding.cut_rows). Both must be what a fresh binding gives: two calls get the same fingerprint
+(dpfast.distributed.inputs.cut_rows). Both must be what a fresh binding gives: two calls get the same fingerprint
 exactly when their descriptions are the same, whatever the calls before them. Planned without a process group (the
 planning stage is the same)."""
 
@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dpfast.distributed.agreement import describe_step, step_record
-from dpfast.distributed.exchanges import RankGroup, through_input_grads
-from dpfast.distributed.sharding import cut_rows
+from dpfast.distributed.group import RankGroup
+from dpfast.distributed.inputs import cut_rows, through_input_grads
 from dpfast.plan.call_plan import plan_call
 from dpfast.trees.binding import Binding
 

@@ -89,6 +89,45 @@ def test_modules_import_only_their_own_and_earlier_stages(path):
     assert not later, f"dpfast/{path.relative_to(PACKAGE)} ({stage}) imports later stages {sorted(later)}"
 
 
+def _imported_modules(path: pathlib.Path) -> set[str]:
+    """The modules of the package ``path`` imports, as paths below dpfast without ``.py`` (``distributed/inputs``);
+    a name imported from a package may be one of its modules. Imports under ``if TYPE_CHECKING:`` count too."""
+    here = list(path.relative_to(PACKAGE).parent.parts)
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        mod = node.module or ""
+        if node.level:
+            if node.level - 1 > len(here):
+                continue
+            parts = here[: len(here) - (node.level - 1)] + (mod.split(".") if mod else [])
+        elif mod.startswith("dpfast."):
+            parts = mod.split(".")[1:]
+        else:
+            continue
+        base = "/".join(parts)
+        out.add(base)
+        out.update(f"{base}/{a.name}" if base else a.name for a in node.names)
+    known = {str(p.relative_to(PACKAGE).with_suffix("")) for p in _modules()}
+    return {m for m in out if m in known and m != str(path.relative_to(PACKAGE).with_suffix(""))}
+
+
+def test_no_import_cycles_between_modules():
+    """Within a stage too (dpfast/distributed/ once had exchanges and output_layout import each other)."""
+    graph = {str(p.relative_to(PACKAGE).with_suffix("")): _imported_modules(p) for p in _modules()}
+    for start in graph:
+        seen, stack = set(), [(start, [start])]
+        while stack:
+            node, trail = stack.pop()
+            for nxt in graph.get(node, ()):
+                if nxt == start:
+                    raise AssertionError(f"an import cycle: {' -> '.join(trail + [nxt])}")
+                if nxt not in seen and not nxt.endswith("__init__"):
+                    seen.add(nxt)
+                    stack.append((nxt, trail + [nxt]))
+
+
 def test_distributed_uses_only_the_pipeline():
     for path in (PACKAGE / "distributed").glob("*.py"):
         assert "data_parallel" not in _imported_stages(path), path.name

@@ -3,19 +3,19 @@
 helpers for per-rank loading: :func:`shard_batch`, :func:`shard_range`, :func:`shard_dataset` (a rank's share of
 a batch or dataset, cut as the wrapper cuts it) and :class:`BalancedBatchSampler` (shares of equal cost).
 
-Modules: ``settings`` (the wrapper's settings, agreed at construction), ``agreement`` (what the ranks compare and
-the error every rank raises), ``checks`` and ``bucket_check`` (when they compare it: inside collectives the step
-runs anyway), ``sharding`` (a rank's share), ``sampler``, ``keeping_step`` (ranks without rows, ranks that cannot
-run their part), ``exchanges``, ``output_layout`` and ``outputs`` (``gather_outputs``), ``module`` (the DDP
-subclass).
+Modules, by concept: ``group`` (the ranks), ``settings`` (the wrapper's settings, agreed at construction),
+``agreement`` (what the ranks compare, when, and the error every rank raises) and ``bucket_check`` (the check in
+DDP's first gradient bucket), ``inputs`` (a rank's share of a call and the per-rank loading helpers), the outputs
+(``output_layout``, ``outputs``: the exchange, ``output_adjoint``), ``empty_ranks`` (ranks without rows or that cannot
+run their part), ``sampler``, and ``module`` (the DDP subclass).
 """
 
 from __future__ import annotations
 
 from .agreement import DistributedBatchError
+from .inputs import Share, shard_batch, shard_dataset, shard_range
 from .module import DistributedDataParallel
 from .sampler import BalancedBatchSampler
-from .sharding import Share, shard_batch, shard_dataset, shard_range
 
 __all__ = [
     "DistributedDataParallel",

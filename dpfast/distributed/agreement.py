@@ -1,10 +1,20 @@
-"""What the ranks must agree on, and the error every rank raises when they do not.
+"""What the ranks must agree on, when they compare it, and the error every rank raises when they do not.
 
 Each forward is described by a :class:`StepRecord`: a status (did this rank plan and run its share?) and a few
-named items (``B``, the split, each argument's shape and dtype...) whose hash is the step's fingerprint. The checks
-(:mod:`dpfast.distributed.checks`) compare one row per rank, ``(status, fingerprint, forwards)``; when the rows
-differ, every rank calls :func:`raise_disagreement`, which gathers the ranks' records once and raises
-:class:`DistributedBatchError` on every rank with a line per rank that shows only what differs.
+named items (``B``, the split, each argument's shape and dtype...) whose hash is the step's fingerprint. One row per
+rank, ``(status, fingerprint, forwards)``, is compared (:class:`StepChecks`); when the rows differ, every rank calls
+:func:`raise_disagreement`, which gathers the ranks' records once and raises :class:`DistributedBatchError` on every
+rank with a line per rank that shows only what differs.
+
+When: every forward appends its record to a chain, whose row travels with a collective the step runs anyway: with
+``gather_outputs``, in the header of the output all-gather (in forward); without it, in DDP's first gradient bucket
+(:mod:`dpfast.distributed.bucket_check`), read when ``backward()`` ends, before any optimizer step can use the
+gradients (under ``no_sync()`` the chain grows until the next synchronized backward); under ``torch.no_grad()``
+without ``gather_outputs`` no collective runs, so one small all-gather checks the forward (:func:`agree_now`); so
+does the first call, before its forward. Until a check, every rank runs its own plan, so the collectives of a step
+must be the same on every rank whatever the batches: a rank that cannot run its part (it could not plan its call,
+its module raised, or refused its empty share) still issues them (:mod:`dpfast.distributed.empty_ranks`), then the
+check, where its status makes every rank raise.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ from ..plan.call_plan import CallPlan
 from ..plan.errors import ScatterError
 from ..plan.render import shape_text
 from ..trees.specs import Leaf
+from .group import RankGroup
 
 NAME = "dpfast.DistributedDataParallel"
 
@@ -310,3 +321,74 @@ def _rank_lines(everyone: Sequence[Any], rank: int) -> list[str]:
             text = f"ran its part (B = {d['B']})" if "B" in d else "ran its part"
         lines.append(f"  rank {r}{' (this rank)' if r == rank else ''}: {text}")
     return lines
+
+
+# ---- when the ranks compare their records ----------------------------------------------------------------------------
+
+
+class StepChecks:
+    """One wrapper's checks: the forwards since the last check, and what the last checked step established (the
+    collectives its forward issued, and the first rank that had rows, which DDP's buffers come from)."""
+
+    def __init__(self, group: RankGroup, enabled: bool):
+        self.group = group
+        self.enabled = enabled
+        self.records: list[StepRecord] = []
+        self.checked_once = False
+        self.trace: list[tuple] | None = None  # None until a checked forward recorded one
+        self.buffer_source = 0
+        self.sizes_exchanged = False  # per-rank inputs: the last checked step read every rank's row count
+        self._pending_trace: list[tuple] | None = None
+        self._pending_source = 0
+        self._pending_sizes = False
+
+    def begin(self, record: StepRecord) -> None:
+        """A forward starts: its record joins the chain (the first call checks it at once, before running)."""
+        if not self.enabled:
+            return
+        if not self.checked_once:  # nothing ran yet: a bad first call raises on every rank before it runs
+            agree_now(self.group.process_group, self.group.comm_device, [record])
+            self.checked_once = True
+        self.records.append(record)  # how the forward ends (it may still fail) is checked with the step
+
+    def ran(self, trace: list[tuple] | None, buffer_source: int) -> None:
+        """What this forward did, kept until its check says it is what every rank did."""
+        self._pending_trace, self._pending_source, self._pending_sizes = trace, buffer_source, False
+
+    def exchanged_sizes(self) -> None:
+        """This step read every rank's row count (a collective outside the forward: part of its pattern)."""
+        self._pending_sizes = True
+
+    def row(self) -> list[int]:
+        """This rank's ``(status, fingerprint, forwards)``; zeros when the checks are off."""
+        return chain_row(self.records) if self.enabled else [0, 0, 0]
+
+    def verify(self, rows: Sequence[Sequence[int]]) -> None:
+        """Every rank's row (the same list on every rank): return if they agree, else raise on every rank."""
+        if not self.enabled:
+            return
+        records, self.records = self.records, []
+        if not rows_agree(rows):
+            raise_disagreement(self.group.process_group, records, rows)
+        self._commit()
+
+    def agreed(self) -> None:
+        """Every rank's row is this rank's, and says OK (compared where the rows are: the C++ hook)."""
+        if not self.enabled:
+            return
+        self.records = []
+        self._commit()
+
+    def check_now(self) -> None:
+        """A blocking check of the chain (the first call, and forwards no other collective can carry)."""
+        if not self.enabled:
+            return
+        records, self.records = self.records, []
+        agree_now(self.group.process_group, self.group.comm_device, records)
+        self._commit()
+
+    def _commit(self) -> None:
+        if self._pending_trace is not None:
+            self.trace = self._pending_trace
+        self.buffer_source = self._pending_source
+        self.sizes_exchanged = self._pending_sizes

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ..ext.loader import C as _C
 from .agreement import OK
-from .exchanges import RankGroup
+from .group import RankGroup
 
 _MASK64 = (1 << 64) - 1
 

@@ -4,33 +4,18 @@ rank's **own rows** (``inputs="per_rank"``, as DDP users load data).
 
 What one forward does, on every rank:
 
-1. Plan the call with ``DataParallel``'s planning stage: over ``world_size`` parts for the global batch (rank
-   ``r`` keeps the rows replica ``r`` would get; ``chunk_sizes`` weights ranks, ``cost`` balances per-sample
-   costs), or as one part for per-rank inputs (the same specs and :class:`~dpfast.ScatterError`).
+1. Plan the call by its call program (:mod:`dpfast.plan.program`), as ``DataParallel`` does: over ``world_size``
+   parts for the global batch (rank ``r`` keeps the rows replica ``r`` would get; ``chunk_sizes`` weights ranks,
+   ``cost`` balances per-sample costs), or as one part for per-rank inputs; and take this rank's rows
+   (:mod:`dpfast.distributed.inputs`).
 2. Record what the ranks must agree on (:mod:`dpfast.distributed.agreement`); the check itself travels with a
-   collective the step runs anyway (:mod:`dpfast.distributed.checks`), so an ordinary step adds none.
+   collective the step runs anyway (:mod:`dpfast.distributed.bucket_check`), so an ordinary step adds none.
 3. Run this rank's rows through ``torch``'s DDP forward (reducer, ``find_unused_parameters``, ``no_sync`` ...
-   unchanged). A rank with no rows runs an empty share (:mod:`dpfast.distributed.keeping_step`).
+   unchanged). A rank with no rows runs an empty share (:mod:`dpfast.distributed.empty_ranks`).
 4. With ``gather_outputs=True``, combine the outputs across ranks with a differentiable exchange so every rank
-   holds the full-batch result (:mod:`dpfast.distributed.outputs`).
-
-Gradient math with ``gather_outputs=True``: rank ``r`` computes ``o_r = f(x_r; θ)``; the gather gives every rank
-``O = [o_0, ..., o_{W-1}]`` and every rank computes the same loss ``L(O)`` and calls ``backward``. The backward of
-the gather is the exact adjoint of an all-gather in the global graph: the output gradients of **all** ranks are
-summed and rank ``r`` keeps its slice (one all-to-all: each rank gets only its slice of every rank's gradient),
-``W · ∂L/∂o_r`` (for ``"mean"``/``"sum"`` outputs,
-``c_r · W · ∂L/∂v`` with ``c_r`` the rank's weight). Rank ``r``'s parameter gradient is ``W · J_rᵀ ∂L/∂o_r``, and
-DDP's all-reduce *averages*: ``(1/W) Σ_r W · J_rᵀ ∂L/∂o_r = ∂L/∂θ``, exactly the single-process full-batch
-gradient, with the global batch or per-rank inputs alike. Every rank must use the gathered outputs the same way
-and call ``backward``: the gather's backward is a collective.
-
-Without ``gather_outputs`` you get this rank's outputs and DDP's usual semantics: gradients are averaged over ranks.
-For a per-sample-mean loss on uneven shares, multiply the local loss by :attr:`DistributedDataParallel.loss_scale`
-(``W · n_r / B``) to get exactly the full-batch gradient.
-
-Gradients w.r.t. the call's tensor inputs that require grad: with the global batch and ``gather_outputs`` averaged
-over ranks (every rank's ``x.grad`` is the full-batch one); otherwise each rank keeps its own rows' gradient, scaled
-by ``1/W`` as the parameters' average is (:mod:`dpfast.distributed.exchanges`).
+   holds the full-batch result (:mod:`dpfast.distributed.outputs`); a loss on them gives, after DDP's averaging,
+   exactly the full-batch gradients (:mod:`dpfast.distributed.output_adjoint` says why).
+Without it, this rank's outputs and DDP's usual semantics (see :attr:`DistributedDataParallel.loss_scale`).
 """
 
 from __future__ import annotations
@@ -42,21 +27,43 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import profiler
 from torch.distributed.utils import _to_kwargs
 
 from ..plan.call_plan import CallPlan, plan_call
 from ..plan.errors import ScatterError
 from ..trees.specs import Spec
-from .agreement import EMPTY_REFUSED, GHOST_COUNTED, MODULE_RAISED, OK, StepRecord, describe_step, step_record
+from .agreement import (
+    EMPTY_REFUSED,
+    GHOST_COUNTED,
+    MODULE_RAISED,
+    OK,
+    StepChecks,
+    StepRecord,
+    describe_step,
+    step_record,
+)
 from .bucket_check import BucketCheck, NativeBucketCheck, native_hook_available
-from .checks import StepChecks
-from .ddp_overrides import KeepingStepOverrides, _ShareRefused
-from .exchanges import RankGroup, through_input_grads
-from .keeping_step import CollectiveLog, EmptyShare, replay
+from .empty_ranks import CollectiveLog, EmptyRankSteps, EmptyShare, _ShareRefused, replay
+from .group import RankGroup
+from .inputs import Share, per_rank_share, rank_call, through_input_grads
 from .output_layout import ExchangeLayouts
 from .outputs import OutputsCall, gather_across_ranks
 from .settings import FIXED, agree_on_settings, check_settings, describe_settings
-from .sharding import Share, rank_call
+
+# the names torch's DistributedDataParallel.forward uses: the steps _ddp_forward copies, and the label
+# fmt: off
+_TORCH_FORWARD_NAMES = ("torch", "autograd", "profiler", "record_function", "_pre_forward",
+                        "_delay_all_reduce_all_params", "module", "forward", "_run_ddp_forward", "_post_forward")
+# fmt: on
+# compiled code takes torch's forward, which dynamo knows (the profiler checks below are calls it cannot trace)
+_compiling = torch.compiler.is_compiling
+_profiler_on = getattr(torch._C._autograd, "_profiler_enabled", None)  # a profiler recording this thread
+_TORCH_FORWARD_COPIED = (
+    nn.parallel.DistributedDataParallel.forward.__code__.co_names == _TORCH_FORWARD_NAMES
+    and _profiler_on is not None
+    and hasattr(profiler, "_is_profiler_enabled")  # set by any torch.autograd.profiler.profile: a second check
+)
 
 
 @dataclasses.dataclass
@@ -71,7 +78,7 @@ class _CallState:
     exchange: ExchangeLayouts = dataclasses.field(default_factory=ExchangeLayouts)  # gather_outputs' capacity, layouts
 
 
-class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataParallel):
+class DistributedDataParallel(EmptyRankSteps, nn.parallel.DistributedDataParallel):
     """``torch.nn.parallel.DistributedDataParallel`` with dpfast's ``in_dims``/``out_dims``.
 
     Args:
@@ -186,7 +193,7 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
         first read after a forward: read it (or :attr:`loss_scale`) on every rank or on none."""
         if self._call.pending_rows is not None:
             rows, self._call.pending_rows = self._call.pending_rows, None
-            self._call.share = _per_rank_share(self._rank, self._exchange_sizes(rows))
+            self._call.share = per_rank_share(self._rank, self._exchange_sizes(rows))
         return self._call.share
 
     @property
@@ -303,7 +310,7 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
         )
         result, rows = gather_across_ranks(call, outputs, failed)
         if per_rank and rows is not None and min(rows) >= 0:
-            self._call.pending_rows, self._call.share = None, _per_rank_share(self._rank, rows)
+            self._call.pending_rows, self._call.share = None, per_rank_share(self._rank, rows)
         return result
 
     def _take_share(self, plan: CallPlan, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -321,6 +328,16 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
         device = torch.device(self.device_type, self.device_ids[0])
         moved_args, moved_kwargs = _to_kwargs(args, kwargs, device, self.use_side_stream_for_tensor_copies)
         return moved_args[0], moved_kwargs[0]
+
+    def _ddp_forward(self, args: tuple, kwargs: dict) -> Any:
+        """torch's DDP ``forward`` on this rank's share, entering its profiler label only while a profiler records
+        (torch's own ``forward`` runs then, under ``torch.compile``, and where its code is not the one copied)."""
+        if not _TORCH_FORWARD_COPIED or _compiling() or profiler._is_profiler_enabled or _profiler_on():
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+        args, kwargs = self._pre_forward(*args, **kwargs)
+        if self._delay_all_reduce_all_params:
+            return self._post_forward(self.module.forward(*args, **kwargs))
+        return self._post_forward(self._run_ddp_forward(*args, **kwargs))
 
     def register_comm_hook(self, state: object, hook: Any) -> None:
         """torch's ``register_comm_hook``: ``hook`` communicates every gradient bucket.
@@ -379,8 +396,3 @@ class DistributedDataParallel(KeepingStepOverrides, nn.parallel.DistributedDataP
         if self.gather_outputs:
             parts.append("gather_outputs=True")
         return ", ".join(parts)
-
-
-def _per_rank_share(rank: int, rows: Sequence[int]) -> Share:
-    start = sum(rows[:rank])
-    return Share(rank, len(rows), sum(rows), tuple(rows), start, start + rows[rank])

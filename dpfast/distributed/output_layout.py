@@ -26,7 +26,6 @@ from ..trees.facts import leaf_facts
 from ..trees.specs import Leaf, Spec
 from ..trees.walk import walk
 from .agreement import fingerprint
-from .exchanges import row_shape
 
 _PLACEMENTS = 64  # the most rows tuples a layout keeps the placement of
 ALIGN = 16  # every piece of a payload starts at a multiple of this many bytes (any dtype's view is aligned)
@@ -248,3 +247,8 @@ def _sorted_by(layout: OutputLayout, tdef: TreeDef, values: list) -> SortedOutpu
             return None
         tensors.append(t)
     return SortedOutputs(layout, tdef, values, tensors)
+
+
+def row_shape(shape: tuple, axis: int) -> tuple:
+    """A "cat" tensor's shape without its gathered axis (a 0-dim tensor gathers as one row of shape ())."""
+    return tuple(n for k, n in enumerate(shape) if k != axis) if shape else ()

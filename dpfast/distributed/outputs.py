@@ -28,7 +28,8 @@ from ..trees.facts import memory_order
 from ..trees.flatten import unflatten
 from ..trees.specs import Spec
 from .agreement import NAME, DistributedBatchError, error_line, fingerprint
-from .exchanges import Exchange, GatheredOutputs, RankGroup
+from .group import RankGroup
+from .output_adjoint import Exchange, GatheredOutputs
 from .output_layout import ExchangeLayouts, OutputLayout, Placement, SortedOutputs, aligned
 
 # step status, check fingerprint, forwards, gather status, layout fingerprint, bytes, rows, grad and formats

@@ -18,7 +18,7 @@ import torch
 
 from ..plan.costs import read_costs
 from ..plan.splits import balanced_split
-from .sharding import _rank_world, rank_weights
+from .group import rank_weights, rank_world
 
 
 class BalancedBatchSampler(torch.utils.data.Sampler):
@@ -62,7 +62,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
     ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int (samples per global batch), got {batch_size!r}")
-        self.rank, self.world_size = _rank_world(rank, world_size)
+        self.rank, self.world_size = rank_world(rank, world_size)
         self.weights = rank_weights(chunk_sizes, self.world_size)
         self.costs = costs if isinstance(costs, torch.Tensor) else torch.as_tensor(_numbers(costs))
         if self.costs.dim() != 1:

@@ -19,7 +19,7 @@ from ..plan.costs import CostSource
 from ..trees.binding import Binding, forward_of
 from ..trees.specs import validate_spec
 from .agreement import NAME, DistributedBatchError
-from .sharding import rank_weights
+from .group import rank_weights
 
 FIXED = ("inputs", "in_dims", "out_dims", "dim", "chunk_sizes", "cost", "gather_outputs", "check_batch")
 INPUTS = ("global", "per_rank")

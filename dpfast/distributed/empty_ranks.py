@@ -1,6 +1,6 @@
-"""A rank without rows, or one that cannot run its part, keeps step with the others.
+"""Ranks without rows, and ranks that cannot run their part: each keeps step with the others.
 
-Every rank must issue the same collectives in a step (:mod:`dpfast.distributed.checks`): DDP's gradient
+Every rank must issue the same collectives in a step (:mod:`dpfast.distributed.agreement`): DDP's gradient
 all-reduce, and those the module calls in forward (``dpfast.nn.SyncBatchNorm``, ``dpfast.all_gather``...).
 :class:`CollectiveLog` observes the latter (it is a :class:`dpfast.run.collectives.observe_process_group_collectives`)
 so that a rank that cannot run its module can :func:`replay` them with nothing to contribute.
@@ -33,8 +33,7 @@ from ..run.collectives import all_gather, all_reduce, observe_process_group_coll
 from ..trees.flatten import unflatten
 from ..trees.specs import Leaf, Spec
 from ..trees.walk import walk
-from .agreement import EMPTY_REFUSED, GHOST_COUNTED, OK, error_line
-from .exchanges import ZeroOut
+from .agreement import EMPTY_REFUSED, GHOST_COUNTED, OK, DistributedBatchError, StepRecord, error_line
 
 Entry = tuple  # (kind, dim or op, shape, dtype, device) of one collective
 
@@ -82,6 +81,18 @@ def replay(entries: Sequence[Entry]) -> None:
                 all_gather(zeros.narrow(arg, 0, 0), arg)
             else:
                 all_reduce(zeros, arg)
+
+
+class ZeroOut(torch.autograd.Function):
+    """Zeros shaped like the input, with a zero gradient: keeps a ghost's graph connected while contributing 0."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.zeros_like(g)
 
 
 def zero_ghost_outputs(out: Any, out_dims: Spec, dim: int) -> Any:
@@ -185,3 +196,81 @@ def _refusal(empty: BaseException, ghost: BaseException | None) -> BaseException
     err = RuntimeError(text)
     err.__cause__ = ghost or empty
     return err
+
+
+class _ShareRefused(Exception):
+    """Raised out of DDP's forward when a rank without rows could run neither its empty share nor a ghost."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
+class EmptyRankSteps:
+    """torch DDP's steps as a rank without rows, or one that cannot run its part, runs them (a mixin of
+    :class:`~dpfast.distributed.module.DistributedDataParallel`, placed before torch's class so that ``super()``
+    reaches torch's methods; it uses the wrapper's ``_call``, ``_checks``, ``_bucket_check``, ``_gather`` and
+    ``_exchange_sizes``). DDP's buffer broadcast takes the buffers of a rank that had rows."""
+
+    _call: Any
+    _checks: Any
+    _bucket_check: Any
+    _rank: int
+
+    def _keep_step(self, record: StepRecord, ran_forward: bool) -> Any:
+        """This rank cannot run its part (``record`` says why): it issues the step's collectives anyway, with
+        nothing to contribute, up to the check, where every rank raises."""
+        if not ran_forward:
+            self._call.share, self._call.pending_rows = None, None
+            self._pre_forward()  # DDP's: buffer broadcast, bucket rebuild
+            replay(self._checks.trace or [])
+        log = self._call.log if ran_forward else None
+        in_forward = bool(self._checks.trace) or bool(log is not None and log.entries)
+        if self.gather_outputs:
+            self._gather(None, failed=True)
+        elif not torch.is_grad_enabled() or in_forward:  # where the others check (see _finish)
+            self._checks.check_now()
+        elif self.require_backward_grad_sync:
+            if self._checks.sizes_exchanged:
+                self._exchange_sizes(0)
+            self._match_all_reduce_for_bwd_pass()  # DDP's shadow of a backward (its join uses it)
+            if self.find_unused_parameters:
+                self._match_unused_params_allreduce()
+            self.reducer._push_all_rebuilt_params()
+            assert self._bucket_check is not None
+            self._bucket_check.read()
+        raise DistributedBatchError(
+            f"dpfast.DistributedDataParallel: rank {self._rank} cannot run its part of this step "
+            f"({record.error_line()}); under no_sync() the other ranks raise at the next synchronized backward"
+        ) from record.error
+
+    def _run_ddp_forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Inside torch's DDP forward (between its pre- and post-forward): a rank without rows runs its empty
+        share, or a ghost (see the module docstring)."""
+        empty, log = self._call.empty, self._call.log
+        if empty is None or log is None:
+            return super()._run_ddp_forward(*inputs, **kwargs)
+        result = run_empty_share(super()._run_ddp_forward, self.module, empty, log, self.out_dims, self.dim)
+        if result.status == EMPTY_REFUSED:
+            trace = self._checks.trace or []
+            replay(trace[len(log.entries) :])  # the rest of the step's collectives, so the others do not wait
+            raise _ShareRefused(result.error)
+        if result.status == GHOST_COUNTED:
+            self._call.ghost_error = result.error
+        return result.outputs
+
+    def _sync_buffers(self) -> None:
+        """DDP broadcasts the buffers from rank 0 at each forward. A rank that had no rows in the last checked
+        forward (a ``chunk_sizes`` weight of 0) holds buffers its module never updated (BatchNorm statistics that
+        would never move), so the first rank that had rows is the source, as ``DataParallel`` keeps the buffers
+        of the first replica that had rows. It comes from a checked plan, so every rank picks the same; with
+        ``check_batch=False`` rank 0 stays the source."""
+        source = self._checks.buffer_source
+        if source == 0 or self._join_config.enable:
+            return super()._sync_buffers()
+        with torch.no_grad(), contextlib.ExitStack() as stack:
+            self._assign_modules_buffers()
+            preserve = getattr(torch.autograd, "_unsafe_preserve_version_counter", None)
+            for b in self.modules_buffers if preserve else ():  # one tensor each: torch 2.4 takes no tuple
+                stack.enter_context(preserve(b))
+            self._sync_module_buffers(source)

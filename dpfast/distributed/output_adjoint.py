@@ -1,123 +1,30 @@
-"""The differentiable exchanges of ``DistributedDataParallel``: the gathered outputs (``gather_outputs=True``) and
-the gradients of the call's inputs.
+"""The gathered outputs of ``gather_outputs=True`` and their adjoint.
 
 :class:`Exchange` assembles the outputs from every rank's contribution (all-gathered as bytes by
 :mod:`dpfast.distributed.outputs`); its backward sums this rank's part of every rank's output gradients (one
-all-to-all per dtype), the exact adjoint, so a loss on the gathered outputs gives the full-batch gradient after
-DDP's averaging (see :mod:`dpfast.distributed.module`).
+all-to-all per dtype), the exact adjoint.
+
+Gradient math: rank ``r`` computes ``o_r = f(x_r; θ)``; the gather gives every rank ``O = [o_0, ..., o_{W-1}]`` and
+every rank computes the same loss ``L(O)`` and calls ``backward``. The backward of the gather is the exact adjoint of
+an all-gather in the global graph: the output gradients of **all** ranks are summed and rank ``r`` keeps its slice,
+``W · ∂L/∂o_r`` (for ``"mean"``/``"sum"`` outputs, ``c_r · W · ∂L/∂v`` with ``c_r`` the rank's weight). Rank
+``r``'s parameter gradient is ``W · J_rᵀ ∂L/∂o_r``, and DDP's all-reduce *averages*: ``(1/W) Σ_r W · J_rᵀ ∂L/∂o_r =
+∂L/∂θ``, exactly the single-process full-batch gradient, with the global batch or per-rank inputs alike. Every rank
+must use the gathered outputs the same way and call ``backward``: the gather's backward is a collective. (The
+gradients of the call's inputs: :func:`~dpfast.distributed.inputs.through_input_grads`.)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-if TYPE_CHECKING:  # (output_layout imports this module)
-    from .output_layout import OutputLayout
-
-
-@dataclasses.dataclass(frozen=True)
-class RankGroup:
-    """The process group a DDP module talks over, and the device its collectives' buffers live on."""
-
-    process_group: Any
-    rank: int
-    world: int
-    comm_device: torch.device
-
-
-class ZeroOut(torch.autograd.Function):
-    """Zeros shaped like the input, with a zero gradient: keeps a ghost's graph connected while contributing 0."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return torch.zeros_like(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return torch.zeros_like(g)
-
-
-class ScaleGrad(torch.autograd.Function):
-    """Identity on the call's tensor inputs that require grad; backward scales their gradients by ``factor``.
-
-    A rank differentiates only through its own rows. With per-rank inputs (or without ``gather_outputs``) each
-    rank keeps its own rows' gradient, scaled by ``1 / W`` as DDP's average scales the parameters', so it is the
-    full-batch gradient of those rows in the cases where the parameters' is (see the module docstring)."""
-
-    @staticmethod
-    def forward(ctx, factor, *tensors):
-        ctx.factor = factor
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return (None,) + tuple(None if g is None else g * ctx.factor for g in grads)
-
-
-class AverageInputGrads(torch.autograd.Function):
-    """Identity on the call's tensor inputs that require grad; backward averages their gradients over ranks.
-
-    With ``gather_outputs`` and the global batch on every rank, rank ``r``'s gradient w.r.t. a global-batch input
-    holds ``W`` times the full-batch gradient on its own rows and zeros elsewhere; averaging (one all-reduce for
-    all inputs, before they are sliced, so shapes agree) gives every rank the full-batch gradient of every row.
-    Its all-reduce runs in backward, after the ranks checked their batches in the output exchange."""
-
-    @staticmethod
-    def forward(ctx, group, world, comm_device, *tensors):
-        ctx.group, ctx.world, ctx.comm_device = group, world, comm_device
-        ctx.meta = [(t.shape, t.dtype, t.device) for t in tensors]
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        out: list = [None] * len(grads)
-        by_dtype: dict = {}
-        for i, (_, dtype, _) in enumerate(ctx.meta):
-            by_dtype.setdefault(dtype, []).append(i)
-        for dtype, idx in by_dtype.items():
-            flat = [
-                (grads[i] if grads[i] is not None else torch.zeros(ctx.meta[i][0], dtype=dtype))
-                .reshape(-1)
-                .to(ctx.comm_device)
-                for i in idx
-            ]
-            buf = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
-            if buf.numel():
-                dist.all_reduce(buf, group=ctx.group)
-            buf /= ctx.world
-            o = 0
-            for i in idx:
-                shape, _, device = ctx.meta[i]
-                n = math.prod(shape)
-                out[i] = buf[o : o + n].view(shape).to(device)
-                o += n
-        return (None, None, None) + tuple(out)
-
-
-def through_input_grads(tree: Any, group: RankGroup, average: bool) -> dict:
-    """The call's tensor inputs that require grad, seen through one node that averages (``average``: the global
-    batch with ``gather_outputs``) or scales their gradients; maps each such leaf (by its position among the call's
-    leaves) to its view.
-
-    Only leaf tensors are scaled: the gradient of an input computed by an earlier call (a recurrent state fed back)
-    flows on into that call's graph, where DDP's averaging already accounts for it."""
-    grad, flat = tree.program.grad, tree.flat  # (the program knows which require grad)
-    where = [i for i in grad if average or flat[i].is_leaf] if grad else grad
-    if not where:
-        return {}
-    values = [flat[i] for i in where]
-    if average:
-        views = AverageInputGrads.apply(group.process_group, group.world, group.comm_device, *values)
-    else:
-        views = ScaleGrad.apply(1.0 / group.world, *values)
-    return dict(zip(where, views))
+from .group import RankGroup
+from .output_layout import OutputLayout, row_shape
 
 
 @dataclasses.dataclass
@@ -264,11 +171,6 @@ def _in_format(t: Tensor, memory_format: torch.memory_format | None) -> Tensor:
     if memory_format is None:
         return t.contiguous()
     return torch.empty(t.shape, dtype=t.dtype, device=t.device, memory_format=memory_format).copy_(t)
-
-
-def row_shape(shape: tuple, axis: int) -> tuple:
-    """A "cat" tensor's shape without its gathered axis (a 0-dim tensor gathers as one row of shape ())."""
-    return tuple(n for k, n in enumerate(shape) if k != axis) if shape else ()
 
 
 class Exchange(torch.autograd.Function):

@@ -1,13 +1,14 @@
-"""A rank's share of a global batch: the same contiguous split ``DataParallel`` makes over devices, made over ranks.
-
-:func:`take_rows` cuts a planned call's argument tree to one rank's rows; :func:`shard_batch`, :func:`shard_range`
-and :func:`shard_dataset` are the public helpers for per-rank loading.
+"""The input side of ``DistributedDataParallel``: a rank's share of a call, the same contiguous split ``DataParallel``
+makes over devices, made over ranks, by the call's program (:func:`take_rows`, :func:`rank_call`); the gradients of
+the call's inputs (:func:`through_input_grads`); and the public helpers for per-rank loading that cut as the
+wrapper cuts (:func:`shard_batch`, :func:`shard_range`, :func:`shard_dataset`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -19,11 +20,12 @@ from ..move.nested import scatter_jagged
 from ..move.scatter import scatter_packed
 from ..plan.call_plan import CallPlan, plan_call
 from ..plan.costs import CostSource
-from ..plan.splits import split_sizes, validate_chunk_sizes
+from ..plan.splits import split_sizes
 from ..trees.binding import Binding, BoundArguments
 from ..trees.containers import packed_batch
 from ..trees.specs import Spec, validate_spec
-from .keeping_step import EmptyShare
+from .empty_ranks import EmptyShare
+from .group import RankGroup, rank_weights, rank_world
 
 
 class Share(NamedTuple):
@@ -116,6 +118,82 @@ def _narrowed(t: torch.Tensor, axis: int, start: int, length: int) -> torch.Tens
     return v if axis == 0 else v.contiguous()
 
 
+class ScaleGrad(torch.autograd.Function):
+    """Identity on the call's tensor inputs that require grad; backward scales their gradients by ``factor``.
+
+    A rank differentiates only through its own rows. With per-rank inputs (or without ``gather_outputs``) each
+    rank keeps its own rows' gradient, scaled by ``1 / W`` as DDP's average scales the parameters', so it is the
+    full-batch gradient of those rows in the cases where the parameters' is (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, factor, *tensors):
+        ctx.factor = factor
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None,) + tuple(None if g is None else g * ctx.factor for g in grads)
+
+
+class AverageInputGrads(torch.autograd.Function):
+    """Identity on the call's tensor inputs that require grad; backward averages their gradients over ranks.
+
+    With ``gather_outputs`` and the global batch on every rank, rank ``r``'s gradient w.r.t. a global-batch input
+    holds ``W`` times the full-batch gradient on its own rows and zeros elsewhere; averaging (one all-reduce for
+    all inputs, before they are sliced, so shapes agree) gives every rank the full-batch gradient of every row.
+    Its all-reduce runs in backward, after the ranks checked their batches in the output exchange."""
+
+    @staticmethod
+    def forward(ctx, group, world, comm_device, *tensors):
+        ctx.group, ctx.world, ctx.comm_device = group, world, comm_device
+        ctx.meta = [(t.shape, t.dtype, t.device) for t in tensors]
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        out: list = [None] * len(grads)
+        by_dtype: dict = {}
+        for i, (_, dtype, _) in enumerate(ctx.meta):
+            by_dtype.setdefault(dtype, []).append(i)
+        for dtype, idx in by_dtype.items():
+            flat = [
+                (grads[i] if grads[i] is not None else torch.zeros(ctx.meta[i][0], dtype=dtype))
+                .reshape(-1)
+                .to(ctx.comm_device)
+                for i in idx
+            ]
+            buf = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
+            if buf.numel():
+                dist.all_reduce(buf, group=ctx.group)
+            buf /= ctx.world
+            o = 0
+            for i in idx:
+                shape, _, device = ctx.meta[i]
+                n = math.prod(shape)
+                out[i] = buf[o : o + n].view(shape).to(device)
+                o += n
+        return (None, None, None) + tuple(out)
+
+
+def through_input_grads(tree: Any, group: RankGroup, average: bool) -> dict:
+    """The call's tensor inputs that require grad, seen through one node that averages (``average``: the global
+    batch with ``gather_outputs``) or scales their gradients; maps each such leaf (by its position among the call's
+    leaves) to its view.
+
+    Only leaf tensors are scaled: the gradient of an input computed by an earlier call (a recurrent state fed back)
+    flows on into that call's graph, where DDP's averaging already accounts for it."""
+    grad, flat = tree.program.grad, tree.flat  # (the program knows which require grad)
+    where = [i for i in grad if average or flat[i].is_leaf] if grad else grad
+    if not where:
+        return {}
+    values = [flat[i] for i in where]
+    if average:
+        views = AverageInputGrads.apply(group.process_group, group.world, group.comm_device, *values)
+    else:
+        views = ScaleGrad.apply(1.0 / group.world, *values)
+    return dict(zip(where, views))
+
+
 @dataclasses.dataclass
 class RankCall:
     """This rank's part of one planned call: the arguments it runs, its :class:`Share` (``None`` while every
@@ -162,41 +240,17 @@ def rank_call(
     return RankCall(*(empty or (inputs, kwargs)), share, None, ghost)
 
 
+def per_rank_share(rank: int, rows: Sequence[int]) -> Share:
+    """Rank ``rank``'s :class:`Share` when every rank passed its own ``rows[r]`` rows (per-rank inputs)."""
+    start = sum(rows[:rank])
+    return Share(rank, len(rows), sum(rows), tuple(rows), start, start + rows[rank])
+
+
 @functools.lru_cache(maxsize=256)
 def _share_of(rank: int, world: int, batch: int, sizes: tuple[int, ...]) -> Share:
     """Rank ``rank``'s :class:`Share` of ``sizes`` (remembered: a training loop splits the same way every step)."""
     start = sum(sizes[:rank])
     return Share(rank, world, batch, sizes, start, start + sizes[rank])
-
-
-def _rank_world(rank: int | None, world_size: int | None, group=None) -> tuple[int, int]:
-    if rank is None or world_size is None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError(
-                "rank and world_size are needed when torch.distributed is not initialized "
-                "(call torch.distributed.init_process_group first, or pass them)"
-            )
-        rank = dist.get_rank(group) if rank is None else rank
-        world_size = dist.get_world_size(group) if world_size is None else world_size
-    if not (isinstance(world_size, int) and world_size >= 1):
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    if not (isinstance(rank, int) and 0 <= rank < world_size):
-        raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
-    return rank, world_size
-
-
-def rank_weights(chunk_sizes: Sequence[float] | None, world_size: int) -> list | None:
-    """``chunk_sizes`` checked as one relative weight per rank (exact fractions), or ``None``."""
-    try:
-        return validate_chunk_sizes(chunk_sizes, world_size)
-    except ValueError:
-        n = len(chunk_sizes) if hasattr(chunk_sizes, "__len__") else world_size  # (its message says device_ids)
-        if n != world_size:
-            raise ValueError(
-                f"chunk_sizes has {n} weights but there are {world_size} ranks; give one weight per rank (0 gives "
-                "a rank no rows)"
-            ) from None
-        raise
 
 
 def shard_range(
@@ -223,7 +277,7 @@ def shard_range(
         ValueError: ``rank``/``world_size`` out of range, or not given without an initialized process group; bad
             ``chunk_sizes`` (another count than ranks, a negative weight).
     """
-    rank, world_size = _rank_world(rank, world_size)
+    rank, world_size = rank_world(rank, world_size)
     sizes = split_sizes(n, world_size, rank_weights(chunk_sizes, world_size))
     start = sum(sizes[:rank])
     return range(start, start + sizes[rank])
@@ -293,7 +347,7 @@ def shard_batch(
         TypeError, ValueError: a spec that does not match ``batch``, bad costs, ``rank``/``world_size`` out of
             range or missing without a process group, bad ``chunk_sizes``.
     """
-    rank, world_size = _rank_world(rank, world_size)
+    rank, world_size = rank_world(rank, world_size)
     weights = rank_weights(chunk_sizes, world_size)
     if in_dims is not None:
         validate_spec(in_dims, "in_dims", allow_reductions=False)

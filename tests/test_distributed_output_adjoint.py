@@ -1,4 +1,4 @@
-"""dpfast.distributed.exchanges on 2 and 3 gloo ranks: the gathered outputs' adjoint (each rank gets its part of
+"""dpfast.distributed.output_adjoint on 2 and 3 gloo ranks: the gathered outputs' adjoint (each rank gets its part of
 every rank's output gradients, summed, by one all-to-all per dtype) equals what every rank's gradients all-reduced
 and then cut to this rank's part give, for every kind of output: "cat" along any axis (this rank's rows, none, or
 a rank whose outputs do not count), a stacked 0-dim output, "mean" and "sum" ones, gradients expanded from one
@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from dpfast.distributed.exchanges import GatheredOutputs, RankGroup
+from dpfast.distributed.group import RankGroup
+from dpfast.distributed.output_adjoint import GatheredOutputs
 from dpfast.distributed.output_layout import sort_outputs
 
 from ddp_harness import GroupRuns

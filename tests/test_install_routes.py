@@ -94,7 +94,8 @@ def test_pure_python_install_imports_warns_once_and_runs_on_the_reference(source
                           "warnings": [str(w.message) for w in caught if "dpfast" in str(w.message)]}))
         """
     )
-    env = {k: v for k, v in os.environ.items() if k != "DPFAST_REQUIRE_EXTENSION"} | {"PYTHONPATH": str(site)}
+    env = {k: v for k, v in os.environ.items() if k not in ("DPFAST_REQUIRE_EXTENSION", "DPFAST_NO_EXTENSION")}
+    env["PYTHONPATH"] = str(site)
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     facts = json.loads(run.stdout.splitlines()[-1])

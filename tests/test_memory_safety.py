@@ -33,8 +33,9 @@ def agree(op, *args, exc=ValueError, match=""):
         return None
     schema_args = (list(args),) if op == "transpose01" else args
     got = {"ops": outcome(lambda: getattr(ops, op)(*args)),
-           "reference": outcome(lambda: getattr(reference, op)(*args)),
-           "torch.ops": outcome(lambda: getattr(torch.ops.dpfast, op)(*schema_args))}
+           "reference": outcome(lambda: getattr(reference, op)(*args))}
+    if dpfast.build_info()["extension_loaded"]:  # (the dispatcher's path: the extension's alone)
+        got["torch.ops"] = outcome(lambda: getattr(torch.ops.dpfast, op)(*schema_args))
     first = got["reference"]
     assert first is not None and first[0] is exc and match in first[1], first
     assert all(g == first for g in got.values()), got
@@ -333,6 +334,8 @@ def _run_case(code: str, tmp_path, **env_overrides) -> None:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_case_ends_cleanly(case, tmp_path):
+    if "Truncating" in CASES[case] and not dpfast.build_info()["extension_loaded"]:
+        pytest.skip("a dispatch mode truncating torch.ops.dpfast's results: the dispatcher's path is the extension's")
     _run_case(PRELUDE + textwrap.dedent(CASES[case]), tmp_path)
 
 

@@ -326,6 +326,10 @@ def test_bad_state_shapes_name_the_expected_layout():
     reason="torch.compile(fullgraph=True) of recurrent layers needs torch >= 2.13 (before, dynamo gets even plain "
     "torch.nn.LSTM's state shapes wrong)",
 )
+@pytest.mark.skipif(
+    not dpfast.build_info()["extension_loaded"],
+    reason="fullgraph tracing goes through the ops' fake kernels, registered with the extension's ops",
+)
 def test_torch_compile_fullgraph(device):
     """One compiled forward + backward. Dynamo refuses every RNN module (nn.LSTM included) unless
     ``allow_rnn=True``; with it the whole forward, state conversions included, traces as one graph.

@@ -141,7 +141,8 @@ def test_negated_and_conjugated_views_are_bit_identical(dtype, bits):
     for v in views + [cplx]:
         assert v.is_neg() or v.is_conj()
         assert_bitexact(ops.transpose01(v)[0], ref.transpose01(v)[0])
-        assert_bitexact(torch.ops.dpfast.transpose01([v])[0], ref.transpose01(v)[0])
+        if dpfast.build_info()["extension_loaded"]:  # (the dispatcher's path: the extension's alone)
+            assert_bitexact(torch.ops.dpfast.transpose01([v])[0], ref.transpose01(v)[0])
         for a, b in zip(ops.split_contiguous([v], 0, [500, 500])[0], ref.split_contiguous([v], 0, [500, 500])[0]):
             assert_bitexact(a, b)
         assert_bitexact(ops.gather([v, v], 1, "cpu"), ref.gather([v, v], 1, "cpu"))

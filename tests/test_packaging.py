@@ -220,7 +220,7 @@ def _import_copy(tmp_path, record: dict, **env) -> subprocess.CompletedProcess:
     shutil.copytree(PACKAGE, tmp_path / "dpfast", ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "dpfast" / "_build.json").write_text(json.dumps(record))
     code = "import json, dpfast; print(json.dumps(dpfast.build_info()))"
-    env = {k: v for k, v in os.environ.items() if k != "DPFAST_REQUIRE_EXTENSION"} | env
+    env = {k: v for k, v in os.environ.items() if k not in ("DPFAST_REQUIRE_EXTENSION", "DPFAST_NO_EXTENSION")} | env
     env["PYTHONPATH"] = str(tmp_path)
     return subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120

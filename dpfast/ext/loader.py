@@ -1,7 +1,8 @@
 """Loads the compiled extension ``dpfast._C`` (which registers ``torch.ops.dpfast.*``) or explains why not.
 
 Without it ``import dpfast`` still works: the ops fall back to :mod:`dpfast.reference` and a warning is issued
-once. ``DPFAST_REQUIRE_EXTENSION=1`` (set in CI) turns a missing extension into an ImportError.
+once. ``DPFAST_REQUIRE_EXTENSION=1`` (set in CI) turns a missing extension into an ImportError;
+``DPFAST_NO_EXTENSION=1`` leaves a built one unloaded (CI runs the suite against the fallback so).
 
 An extension is tied to the torch release it was compiled against. setup.py records that torch beside it
 (``_build.json``); one built for another torch is not loaded at all (it may not even link, or crash later), and
@@ -86,7 +87,10 @@ LOAD_ERROR: str | None = None
 RECORD: dict | None = _read_record()
 
 _mismatch = torch_mismatch(RECORD, torch.__version__, torch.version.cuda)
-if RECORD is not None and RECORD.get("extension") is False:  # DPFAST_PURE_PYTHON=1: nothing was compiled
+if os.environ.get("DPFAST_NO_EXTENSION", "0") not in ("", "0"):  # the fallback, on purpose (CI runs the suite so)
+    LOAD_ERROR = "DPFAST_NO_EXTENSION is set: dpfast.reference serves the ops"
+    _fail(LOAD_ERROR)
+elif RECORD is not None and RECORD.get("extension") is False:  # DPFAST_PURE_PYTHON=1: nothing was compiled
     LOAD_ERROR = f"dpfast was installed without it: {RECORD.get('reason')}"
     _fail(LOAD_ERROR)
 elif _mismatch is not None:

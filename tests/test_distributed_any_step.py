@@ -103,6 +103,25 @@ def _other_structure(mode: str, gather: bool, grad: bool):
     return run
 
 
+class _Casting(Net):
+    def forward(self, x, mask=None):
+        return super().forward(x.to(self.lin.weight.dtype), mask)
+
+
+def _other_dtype_a_module_accepts(mode: str):
+    """The last rank's batch in float32, which its module casts and runs: the records alone must tell."""
+
+    def run():
+        torch.manual_seed(0)
+        ddp = dpfast.DistributedDataParallel(_Casting().to(DT), inputs=mode)
+        _good_steps(ddp, GOOD_STEPS, True)
+        x = _batch()
+        x = x.float() if _last() else x
+        expect_batch_error(lambda: _step(ddp, x), ["float32"], within_s=WITHIN_S)
+
+    return run
+
+
 class _RaisesOnLast(Net):
     def __init__(self, after: int):
         super().__init__()
@@ -162,6 +181,8 @@ def _scenarios(world: int) -> dict:
         out[f"module-raises-everywhere-{tail}"] = _module_raises_everywhere(gather, grad)
         for mode in ("global", "per_rank"):
             out[f"structure-{mode}-{tail}"] = _other_structure(mode, gather, grad)
+    for mode in ("global", "per_rank"):
+        out[f"dtype-cast-{mode}"] = _other_dtype_a_module_accepts(mode)
     return out
 
 

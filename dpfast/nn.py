@@ -131,9 +131,6 @@ class LSTM(_StateBatchFirst, torch.nn.LSTM):
             ``proj_size`` not below ``hidden_size``...).
     """
 
-    def __init__(self, *args: Any, state_batch_first: bool = False, **kwargs: Any) -> None:
-        super().__init__(*args, state_batch_first=state_batch_first, **kwargs)
-
     def forward(  # type: ignore[override]
         self, input: RNNInput, hx: LSTMState | None = None
     ) -> tuple[RNNInput, LSTMState]:
@@ -193,9 +190,6 @@ class GRU(_StateBatchFirst, torch.nn.GRU):
             ``hidden_size`` that is not a positive int...).
     """
 
-    def __init__(self, *args: Any, state_batch_first: bool = False, **kwargs: Any) -> None:
-        super().__init__(*args, state_batch_first=state_batch_first, **kwargs)
-
     def forward(  # type: ignore[override]
         self, input: RNNInput, hx: Tensor | None = None
     ) -> tuple[RNNInput, Tensor]:
@@ -244,32 +238,20 @@ class RNN(_StateBatchFirst, torch.nn.RNN):
             unknown ``nonlinearity``...).
     """
 
-    def __init__(self, *args: Any, state_batch_first: bool = False, **kwargs: Any) -> None:
-        super().__init__(*args, state_batch_first=state_batch_first, **kwargs)
-
     def forward(  # type: ignore[override]
         self, input: RNNInput, hx: Tensor | None = None
     ) -> tuple[RNNInput, Tensor]:
         """Run the RNN over ``input``, as ``torch.nn.RNN.forward`` does, the state in the module's layout.
 
         Args:
-            input: ``(B, T, input_size)`` with ``batch_first``, else ``(T, B, input_size)``; a ``PackedSequence``;
-                or an unbatched ``(T, input_size)``.
-            hx: the initial hidden state, or ``None`` for zeros: ``(B, L*D, hidden_size)`` with
-                ``state_batch_first``, else torch's ``(L*D, B, hidden_size)``; unbatched input: ``(L*D, hidden_size)``
-                either way.
+            input: as for :meth:`GRU.forward`.
+            hx: the initial hidden state, or ``None`` for zeros, as for :meth:`GRU.forward`.
 
         Returns:
-            ``(output, h_n)``: ``output`` as torch returns it (a Tensor, or a ``PackedSequence`` for one), and the
-            final hidden state in the module's layout, as ``hx`` (batch-first with ``state_batch_first``; for a
-            ``PackedSequence``, its batch axis in the caller's unsorted order, as torch's).
+            ``(output, h_n)``, as :meth:`GRU.forward` returns them.
 
         Raises:
-            TypeError: with ``state_batch_first=True``, ``hx`` is not a Tensor.
-            RuntimeError: with ``state_batch_first=True``, ``hx`` is not ``(B, L*D, hidden_size)`` for this input
-                (the type torch raises for a wrong hidden size, so existing handlers keep working); and torch's
-                own checks: an input whose last dim is not ``input_size``, a state of the wrong size.
-            ValueError: the input is neither 2-D nor 3-D, or not of the weights' dtype (torch's checks).
+            TypeError, RuntimeError, ValueError: as :meth:`GRU.forward` raises them.
         """
         if not self.state_batch_first:
             return super().forward(input, hx)

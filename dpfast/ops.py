@@ -20,14 +20,9 @@ from .ext.loader import LOADED
 from .ext.op_checks import DeviceLike
 from .reference import RNNState
 
-__all__ = [
-    "transpose01",
-    "state_to_batch_first",
-    "state_to_layer_first",
-    "split_contiguous",
-    "scatter",
-    "gather",
-]
+# fmt: off
+__all__ = ["transpose01", "state_to_batch_first", "state_to_layer_first", "split_contiguous", "scatter", "gather"]
+# fmt: on
 
 
 as_device = checks.as_device
@@ -301,13 +296,12 @@ def state_to_layer_first(state: RNNState) -> RNNState:
     bit-identical to :func:`dpfast.reference.state_to_layer_first`; differentiable.
 
     Args:
-        state: a batch-first GRU/RNN state tensor, or an LSTM's ``(h, c)`` (any non-empty tuple or list of tensors).
+        state: a batch-first state, as :func:`state_to_batch_first` takes torch's.
 
     Returns:
-        The same structure (a Tensor, a tuple, a list) of fresh tensors with dims 0 and 1 swapped.
+        The same structure with dims 0 and 1 swapped in every tensor, as :func:`state_to_batch_first` returns it.
 
     Raises:
-        TypeError: ``state`` is neither a Tensor nor a non-empty tuple/list of Tensors.
-        ValueError: a tensor has fewer than 2 dims, or the tensors are on different devices.
+        TypeError, ValueError: as :func:`state_to_batch_first` raises them.
     """
     return reference._map_state(state, "state_to_layer_first", transpose01)

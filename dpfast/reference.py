@@ -19,14 +19,9 @@ from .ext.op_checks import DeviceLike
 # tuple or list of tensors. A TypeVar, so that a type checker knows `h, c = state_to_batch_first((h, c))`.
 RNNState = TypeVar("RNNState", Tensor, tuple[Tensor, Tensor], tuple[Tensor, ...], list[Tensor])
 
-__all__ = [
-    "transpose01",
-    "state_to_batch_first",
-    "state_to_layer_first",
-    "split_contiguous",
-    "scatter",
-    "gather",
-]
+# fmt: off
+__all__ = ["transpose01", "state_to_batch_first", "state_to_layer_first", "split_contiguous", "scatter", "gather"]
+# fmt: on
 
 
 def _fresh(x: Tensor) -> Tensor:
@@ -44,15 +39,13 @@ def transpose01(*tensors: Tensor) -> tuple[Tensor, ...]:
     """Each input as ``x.transpose(0, 1).contiguous()``, in plain PyTorch: the oracle of :func:`dpfast.ops.transpose01`.
 
     Args:
-        *tensors: tensors of 2 or more dims, all on one device; any dtype, any strides.
+        *tensors: as :func:`dpfast.ops.transpose01` takes them.
 
     Returns:
-        One fresh contiguous tensor per input (never the input itself, nor a view of it), dims 0 and 1 swapped;
-        ``()`` for no input.
+        What :func:`dpfast.ops.transpose01` returns, bit for bit.
 
     Raises:
-        TypeError: an argument is not a Tensor.
-        ValueError: a tensor has fewer than 2 dims, or the tensors are on different devices.
+        TypeError, ValueError: where :func:`dpfast.ops.transpose01` raises them, with the same messages.
     """
     checks.check_tensors("transpose01", "tensors", tensors)
     checks.check_transpose01(tensors)
@@ -78,31 +71,29 @@ def state_to_batch_first(state: RNNState) -> RNNState:
     :func:`dpfast.ops.state_to_batch_first`.
 
     Args:
-        state: a GRU/RNN state tensor, or an LSTM's ``(h, c)`` (any non-empty tuple or list of tensors).
+        state: as :func:`dpfast.ops.state_to_batch_first` takes it.
 
     Returns:
-        The same structure (a Tensor, a tuple, a list) of fresh tensors with dims 0 and 1 swapped.
+        What :func:`dpfast.ops.state_to_batch_first` returns, bit for bit.
 
     Raises:
-        TypeError: ``state`` is neither a Tensor nor a non-empty tuple/list of Tensors.
-        ValueError: a tensor has fewer than 2 dims, or the tensors are on different devices.
+        TypeError, ValueError: where :func:`dpfast.ops.state_to_batch_first` raises them.
     """
     return _map_state(state, "state_to_batch_first")
 
 
 def state_to_layer_first(state: RNNState) -> RNNState:
-    """RNN state ``(B, L*D, H)`` (or an ``(h, c)`` tuple of them) to ``(L*D, B, H)``: the inverse of
-    :func:`state_to_batch_first`, the oracle of :func:`dpfast.ops.state_to_layer_first`.
+    """The inverse of :func:`state_to_batch_first`, ``(B, L*D, H)`` to ``(L*D, B, H)``: the oracle of
+    :func:`dpfast.ops.state_to_layer_first`. Args, Returns and Raises as there.
 
     Args:
-        state: a batch-first GRU/RNN state tensor, or an LSTM's ``(h, c)`` (any non-empty tuple or list of tensors).
+        state: a batch-first state.
 
     Returns:
-        The same structure (a Tensor, a tuple, a list) of fresh tensors with dims 0 and 1 swapped.
+        It in torch's layout.
 
     Raises:
-        TypeError: ``state`` is neither a Tensor nor a non-empty tuple/list of Tensors.
-        ValueError: a tensor has fewer than 2 dims, or the tensors are on different devices.
+        TypeError, ValueError: as :func:`dpfast.ops.state_to_layer_first`.
     """
     return _map_state(state, "state_to_layer_first")
 
@@ -119,19 +110,16 @@ def split_contiguous(tensors: Sequence[Tensor], dim: int, sizes: Sequence[int]) 
     """The chunks of each tensor along ``dim``, each contiguous: the oracle of :func:`dpfast.ops.split_contiguous`.
 
     Args:
-        tensors: the tensors to split, all on one device (their dtypes and ranks may differ).
-        dim: the axis to split; a negative ``dim`` counts from the end of each tensor.
-        sizes: the chunk sizes (ints >= 0, zeros allowed), summing to every tensor's size along ``dim``.
+        tensors: as :func:`dpfast.ops.split_contiguous` takes them.
+        dim: as :func:`dpfast.ops.split_contiguous` takes it.
+        sizes: as :func:`dpfast.ops.split_contiguous` takes them.
 
     Returns:
-        ``out[i][j]``: chunk ``j`` (``sizes[j]`` long along ``dim``) of ``tensors[i]``, a fresh contiguous tensor.
+        What :func:`dpfast.ops.split_contiguous` returns, bit for bit.
 
     Raises:
-        TypeError: ``dim`` or a size is not an int (a bool, a float), ``sizes`` is not an iterable of ints, or an
-            element of ``tensors`` is not a Tensor.
-        IndexError: ``dim`` is out of range for one of the tensors.
-        ValueError: a size is negative, the sizes do not sum to a tensor's size along ``dim``, a tensor is 0-dim,
-            or the tensors are on different devices.
+        TypeError, IndexError, ValueError: where :func:`dpfast.ops.split_contiguous` raises them, with the same
+            messages.
     """
     return _split(tensors, dim, sizes, "split_contiguous")
 
@@ -140,23 +128,20 @@ def scatter(
     tensors: Sequence[Tensor], dim: int, sizes: Sequence[int], devices: Sequence[DeviceLike]
 ) -> list[list[Tensor]]:
     """The chunks of each tensor along ``dim``, chunk ``j`` on ``devices[j]``: the oracle of
-    :func:`dpfast.ops.scatter` (here a split, then ``Tensor.to`` per chunk).
+    :func:`dpfast.ops.scatter` (here ``Tensor.split``, ``contiguous`` and ``to``).
 
     Args:
-        tensors: the tensors to split, all on one device.
-        dim: the axis to split; a negative ``dim`` counts from the end of each tensor.
-        sizes: one chunk size per device (ints >= 0), summing to every tensor's size along ``dim``.
-        devices: one destination per chunk: ``torch.device``, ``"cuda:1"``, ``"cpu"``, or an int (a CUDA index).
+        tensors: as :func:`dpfast.ops.scatter` takes them.
+        dim: as :func:`dpfast.ops.scatter` takes it.
+        sizes: as :func:`dpfast.ops.scatter` takes them.
+        devices: as :func:`dpfast.ops.scatter` takes them.
 
     Returns:
-        ``out[i][j]``: chunk ``j`` of ``tensors[i]``, a fresh contiguous tensor on ``devices[j]``.
+        What :func:`dpfast.ops.scatter` returns, bit for bit.
 
     Raises:
-        TypeError: as :func:`split_contiguous`, or a device is not an int, str or ``torch.device``.
-        IndexError: ``dim`` is out of range for one of the tensors.
-        ValueError: as :func:`split_contiguous`, or ``sizes`` and ``devices`` differ in length.
-        NotImplementedError: a meta tensor would be copied to a real device (it holds no data).
-        RuntimeError: torch cannot use a device (an unknown device string, a CUDA device that is not there).
+        TypeError, IndexError, ValueError, NotImplementedError, RuntimeError: where :func:`dpfast.ops.scatter` raises
+            them, with the same messages.
     """
     devs = [checks.as_device(d) for d in devices]
     dim, sizes = checks.as_dim("scatter", dim), checks.as_sizes("scatter", sizes)
@@ -171,20 +156,16 @@ def gather(chunks: Sequence[Tensor], dim: int, device: DeviceLike) -> Tensor:
     :func:`dpfast.ops.gather` (here ``torch.cat`` of the chunks moved to ``device``).
 
     Args:
-        chunks: one or more tensors of one dtype and rank, equal in every dim but ``dim``, on any devices.
-        dim: the axis to concatenate; a negative ``dim`` counts from the end.
-        device: where the result goes: ``torch.device``, ``"cuda:1"``, ``"cpu"``, or an int (a CUDA index).
+        chunks: as :func:`dpfast.ops.gather` takes them.
+        dim: as :func:`dpfast.ops.gather` takes it.
+        device: as :func:`dpfast.ops.gather` takes it.
 
     Returns:
-        A fresh contiguous tensor on ``device``, the chunks in order along ``dim``.
+        What :func:`dpfast.ops.gather` returns, bit for bit.
 
     Raises:
-        TypeError: ``dim`` is not an int, ``device`` is not a device, or a chunk is not a Tensor.
-        IndexError: ``dim`` is out of range for a chunk.
-        ValueError: ``chunks`` is empty, a chunk is 0-dim, or the chunks differ in dtype, rank, or a dim other
-            than ``dim``.
-        NotImplementedError: a meta chunk would be copied to a real device (it holds no data).
-        RuntimeError: torch cannot use ``device`` (an unknown device string, a CUDA device that is not there).
+        TypeError, IndexError, ValueError, NotImplementedError, RuntimeError: where :func:`dpfast.ops.gather` raises
+            them, with the same messages.
     """
     dev = checks.as_device(device)
     dim = checks.as_dim("gather", dim)

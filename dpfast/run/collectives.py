@@ -12,9 +12,10 @@ summed gradient). Every replica adds in the same order, so all replicas get bit-
 from __future__ import annotations
 
 import contextvars
+import functools
 import warnings
 from collections.abc import Sequence
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -100,17 +101,8 @@ def all_gather(t: Tensor, dim: int = 0) -> Tensor:
             "one of its dims (a 0-dim tensor: t.reshape(1))"
         )
     dim %= t.dim()
-    ctx = current()
-    if ctx is not None:
-        call, i = ctx
-        if call.n == 1:
-            return t
-        coll = call.enter(i, ("all_gather", dim), _deposit(t))
-        return ops.gather([coll.values[j] for j in range(call.n)], dim, t.device)
-    if _in_process_group():
-        return _through_observer("all_gather", t, dim, lambda: _DistAllGather.apply(t, dim))
-    _warn_if_recomputing("all_gather")
-    return t
+    gather = functools.partial(ops.gather, dim=dim, device=t.device)
+    return _collective("all_gather", dim, t, gather, lambda: _DistAllGather.apply(t, dim))
 
 
 def all_reduce(t: Tensor, op: str = "sum") -> Tensor:
@@ -137,16 +129,25 @@ def all_reduce(t: Tensor, op: str = "sum") -> Tensor:
     t = _check_tensor("all_reduce", t)
     if op not in REDUCE_OPS:
         raise ValueError(f"dpfast.all_reduce: op is {op!r}; use one of {', '.join(map(repr, REDUCE_OPS))}")
+    return _collective(
+        "all_reduce", op, t, lambda values: _reduce_deposits([v.to(t.device) for v in values], op),
+        lambda: _DistAllReduce.apply(t, op),
+    )  # fmt: skip
+
+
+def _collective(kind: str, arg: Any, t: Tensor, combine: Callable[[list], Tensor], across_ranks: Callable) -> Tensor:
+    """A collective inside a DataParallel call (every replica's deposit, combined), across a process group's ranks,
+    or (neither) ``t`` itself."""
     ctx = current()
     if ctx is not None:
         call, i = ctx
         if call.n == 1:
             return t
-        coll = call.enter(i, ("all_reduce", op), _deposit(t))
-        return _reduce_deposits([coll.values[j].to(t.device) for j in range(call.n)], op)
+        coll = call.enter(i, (kind, arg), _deposit(t))
+        return combine([coll.values[j] for j in range(call.n)])
     if _in_process_group():
-        return _through_observer("all_reduce", t, op, lambda: _DistAllReduce.apply(t, op))
-    _warn_if_recomputing("all_reduce")
+        return _through_observer(kind, t, arg, across_ranks)
+    _warn_if_recomputing(kind)
     return t
 
 

@@ -15,6 +15,7 @@ in one piece.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -46,7 +47,7 @@ def _payload_bytes(
     puts them in a payload that starts at ``base`` ("cat" tensors with their rows along axis 0); zeros elsewhere.
     One ``torch.cat`` of byte views (a tensor not contiguous in that order is copied once)."""
     device = group.comm_device
-    pieces = [torch.tensor(ints, dtype=torch.int64, device=device).view(torch.uint8)]
+    pieces = [torch.frombuffer(array.array("q", ints), dtype=torch.uint8).to(device)] if ints else []
     at = 8 * len(ints)
     if got is not None:
         layout = got.layout

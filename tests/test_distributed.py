@@ -143,9 +143,9 @@ def _scenarios(world):
     out["buffers_without_check_batch"] = _buffers_without_check_batch
     out["no_tensor_to_split"] = _no_tensor_to_split
     out["mismatched_batch"] = _mismatched_batch
-    out["kept_calls_gathered"] = functools.partial(_kept_calls, True)
-    out["kept_calls_local"] = functools.partial(_kept_calls, False)
-    out["kept_calls_per_rank"] = functools.partial(_kept_calls, True, "per_rank")
+    out["programs_gathered"] = functools.partial(_programs_kept, True)
+    out["programs_local"] = functools.partial(_programs_kept, False)
+    out["programs_per_rank"] = functools.partial(_programs_kept, True, "per_rank")
     out["one_rank_bad_inputs"] = _one_rank_bad_inputs
     out["mismatched_values"] = _mismatched_values
     out["one_rank_bad_structure"] = _one_rank_bad_structure
@@ -313,7 +313,7 @@ def _mismatched_batch():
     losses_loss(out).backward()
 
 
-def _kept_calls(gather, inputs="global"):
+def _programs_kept(gather, inputs="global"):
     """Steps of one structure are planned by the program their first call compiled, and still train exactly as
     the full batch; a rank whose next call differs (a program of its own) makes every rank raise, and the group is
     usable afterwards."""

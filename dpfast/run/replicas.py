@@ -220,12 +220,10 @@ class Lease:
 def _lease_to_graph(outputs: Any) -> weakref.ref | None:
     """A token kept alive by the graph behind ``outputs`` (None when no output has a graph)."""
     token = None
-    leaves = _plain_tensors(outputs)
-    if leaves is None:
-        try:
-            leaves = flatten(outputs, whole_atoms=True)[0]  # (tensors are all it looks for)
-        except ValueError:  # a cyclic or unbounded output: gathering refuses it next, naming the output's path
-            return None
+    try:
+        leaves = flatten(outputs, whole_atoms=True)[0]  # (tensors are all it looks for)
+    except ValueError:  # a cyclic or unbounded output: gathering refuses it next, naming the output's path
+        return None
     for leaf in leaves:
         fn = getattr(leaf, "grad_fn", None) if isinstance(leaf, torch.Tensor) else None
         meta = getattr(fn, "metadata", None) if fn is not None else None
@@ -234,31 +232,6 @@ def _lease_to_graph(outputs: Any) -> weakref.ref | None:
             token = token or _GraphToken()
             meta[_TOKEN] = token
     return None if token is None else weakref.ref(token)
-
-
-_SCALARS = (int, float, bool, str, type(None))
-
-
-def _plain_tensors(outputs: Any, most: int = 4096) -> list | None:
-    """The tensors of ``outputs`` when they are made of plain lists, tuples and dicts (exact types) of tensors and
-    scalars: the tensors :func:`flatten` finds, in no particular order (each gets the same token); None for
-    anything else (a dataclass, a namedtuple, a cycle: more than ``most`` containers), which the full flatten
-    reads. (It does not bound the leaves as flatten does: outputs too large to gather are refused there.)"""
-    found: list = []
-    stack = [outputs]
-    while stack:
-        v = stack.pop()
-        t = type(v)
-        if isinstance(v, torch.Tensor):
-            found.append(v)
-        elif t is tuple or t is list or t is dict:
-            most -= 1
-            if most < 0:
-                return None
-            stack.extend(v.values() if t is dict else v)
-        elif t not in _SCALARS:
-            return None
-    return found
 
 
 class ReplicaCache:

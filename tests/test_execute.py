@@ -155,6 +155,26 @@ def test_replicas_run_in_threads_with_grad_inference_and_autocast_state():
     assert all(s[3] == torch.float32 for s in seen)  # the autocast state did not leak into the workers
 
 
+def test_replicas_on_worker_threads_use_the_callers_intra_op_thread_count():
+    """Was: after ``torch.set_num_threads(1)`` the replicas on persistent workers kept the count they started
+    with (2 here), while replica 0, in the caller's thread, had 1."""
+
+    class M(nn.Module):
+        def forward(self, x):
+            n = torch.get_num_threads()
+            dpfast.all_reduce(x.sum())  # the replicas take turns on workers of their own
+            return x * n
+
+    dp = dpfast.DataParallel(M(), ["cpu"] * 3)
+    before = torch.get_num_threads()
+    try:
+        for n in (2, 1, 3, 1):
+            torch.set_num_threads(n)
+            assert dp(torch.ones(3, 1)).flatten().tolist() == [n] * 3
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.skipif(
     not hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks"),
     reason="passing saved-tensor hooks to worker threads needs torch >= 2.8 (older torch: a warning, "

@@ -1,13 +1,14 @@
 """Run a call's replicas, like ``torch.nn.parallel.parallel_apply``: replicas on different devices concurrently,
 replicas sharing a device one at a time (:mod:`dpfast.run.rendezvous`), so a rehearsal on one device runs inline.
 
-Grad mode, inference mode, autocast, saved-tensor hooks (``torch.autograd.graph.save_on_cpu`` and the like) and
-each CUDA device's current stream are thread-local in PyTorch, so they are read in the caller and re-entered in each
-worker task (and left when it ends, so nothing leaks into the next task). Worker threads come from the caller's
-:class:`~dpfast.run.workers.WorkerPool` (torch's parallel_apply starts fresh threads every step, and a fresh thread
-pays for its first ATen call; benchmarks/RESULTS.md has the figures). A call returns or raises only after every one
-of its tasks has finished, so no work is left running behind it. A single replica runs inline and its exceptions
-propagate unchanged.
+Grad mode, inference mode, autocast, saved-tensor hooks (``torch.autograd.graph.save_on_cpu`` and the like), each
+CUDA device's current stream and the intra-op thread count (``torch.set_num_threads``: OpenMP keeps one per thread)
+are thread-local in PyTorch, so they are read in the caller and re-entered in each worker task (and left when it
+ends, so nothing leaks into the next task; a worker's thread count is set again by the next call). Worker threads
+come from the caller's :class:`~dpfast.run.workers.WorkerPool` (torch's parallel_apply starts fresh threads every
+step, and a fresh thread pays for its first ATen call; benchmarks/RESULTS.md has the figures). A call returns or
+raises only after every one of its tasks has finished, so no work is left running behind it. A single replica runs
+inline and its exceptions propagate unchanged.
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ if TYPE_CHECKING:
 
 
 class _CallerContext:
-    """The caller's thread-local execution context (grad mode, autocast, streams...), to re-enter in a worker."""
+    """The caller's thread-local execution context (grad mode, autocast, intra-op threads, streams...), to re-enter
+    in a worker."""
 
     def __init__(self, devices: Sequence[torch.device]):
         self.grad = torch.is_grad_enabled()
         self.inference = torch.is_inference_mode_enabled()
+        self.threads = torch.get_num_threads()  # (OpenMP's count is per thread: a worker keeps its own otherwise)
         self.autocast: dict[str, tuple[torch.dtype, bool]] = {}
         types = _device_kinds(tuple(devices))[0]
         for dtype in types:
@@ -49,6 +52,8 @@ class _CallerContext:
                     self.streams[d] = torch.cuda.current_stream(d)
 
     def enter(self, device: torch.device, stack: contextlib.ExitStack) -> None:
+        if torch.get_num_threads() != self.threads:  # (a worker of ours: left so until the next call's)
+            torch.set_num_threads(self.threads)
         if self.inference:
             stack.enter_context(torch.inference_mode())
         else:

@@ -197,6 +197,38 @@ CALL_ROWS = [
         r"lengths +packed\(B=2",
     ),
     (
+        "generator-under-the-default",
+        None,
+        (_x(4, 3), (n for n in range(4))),
+        {},
+        TypeError,
+        r"`lengths` is a generator, a one-shot iterator: every replica would be handed the same one.*list\(",
+    ),
+    (
+        "generator-replicated",
+        {"lengths": None},
+        (_x(4, 3), (n for n in range(4))),
+        {},
+        TypeError,
+        r"`lengths` is a generator, a one-shot iterator",
+    ),
+    (
+        "generator-as-items",
+        {"lengths": "items"},
+        (_x(4, 3), (n for n in range(4))),
+        {},
+        TypeError,
+        r"in_dims for `lengths` is 'items', but `lengths` is a generator; 'items' is for a list or tuple",
+    ),
+    (
+        "iterator-in-a-dict",
+        None,
+        (_x(4, 3),),
+        {"mask": {"m": iter([1, 2])}},
+        TypeError,
+        r"`mask\['m'\]` is a list_iterator, a one-shot iterator",
+    ),
+    (
         "meta-tensor",
         None,
         (torch.zeros(4, 3, device="meta"),),
@@ -226,6 +258,25 @@ def test_bad_inputs_refused_before_the_module_runs(in_dims, args, kwargs, exc, p
     with pytest.raises(exc, match=pattern):
         dp.plan(*args, **kwargs)  # plan() refuses the same inputs the same way
     assert module.calls == 0
+
+
+def test_the_fix_for_a_one_shot_iterator_works():
+    """What the refusal suggests: a list, which every replica gets whole, or a list of per-sample items, split."""
+    seen = []
+
+    class Sums(torch.nn.Module):
+        def forward(self, x, lengths):
+            seen.append(list(lengths))
+            return x * sum(seen[-1])
+
+    dp = dpfast.DataParallel(Sums(), ["cpu"] * 2)
+    out = dp(torch.ones(4, 1), list(n for n in range(4)))
+    assert seen == [[0, 1, 2, 3]] * 2 and out.flatten().tolist() == [6.0] * 4
+    seen.clear()
+    dpfast.DataParallel(Sums(), ["cpu"] * 2, in_dims={"lengths": "items"})(torch.ones(4, 1), list(range(4)))
+    assert seen == [[0, 1], [2, 3]]
+    one = dpfast.DataParallel(Sums(), ["cpu"])  # one device: the module is called directly, iterator and all
+    assert one(torch.ones(4, 1), (n for n in range(4))).flatten().tolist() == [6.0] * 4
 
 
 @pytest.mark.cuda

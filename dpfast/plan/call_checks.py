@@ -12,7 +12,7 @@ with ``in_dims={'h': 1}`` as the fix.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -100,6 +100,21 @@ def check_batch(tree: Any, mapped: Sequence[Leaf], parts: int, weights: Sequence
         return batch
     chunk = min((s for s in split_sizes(batch, parts, weights) if s > 0), default=0) if batch else 0
     raise ScatterError(scatter_message(tree, mapped, bad, batch, chunk))
+
+
+def check_one_shot(leaves: Sequence[Leaf]) -> None:
+    """A one-shot iterator (a generator, ``iter(...)``, ``map(...)``) cannot go to several replicas: each would be
+    handed the same object, so the first would use it up and the others would find it empty. Refused whatever its
+    spec, before anything runs."""
+    for leaf in leaves:
+        v = leaf.value
+        if isinstance(v, Iterator) and not isinstance(v, Tensor):
+            raise TypeError(
+                f"`{leaf.path}` is {_a(type(v).__name__)}, a one-shot iterator: every replica would be handed the same "
+                "one, so the first would use it up and the others would find it empty. Pass a list or tuple instead "
+                "(list(...): every replica gets all of it), or a tensor to split along the batch axis; a list of "
+                "per-sample items is split by position under the spec 'items'"
+            )
 
 
 def check_input_devices(leaves: Sequence[Leaf], devices: Sequence[torch.device]) -> None:

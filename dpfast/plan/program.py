@@ -28,7 +28,7 @@ from ..trees.binding import BoundArguments
 from ..trees.containers import packed_batch
 from ..trees.facts import memory_order
 from ..trees.specs import Leaf
-from .call_checks import check_batch, check_input_devices, map_leaves
+from .call_checks import check_batch, check_input_devices, check_one_shot, map_leaves
 
 _read_batch = getattr(C, "_batch_size", None) if C is not None else None  # (csrc/python_many.cpp)
 PROGRAMS_KEPT = 32  # per wrapper: a workload of a few structures (train, eval, a last smaller batch) keeps them all
@@ -83,6 +83,8 @@ class CallProgram:
         leaves = tree.leaves  # the call walked again, a record per leaf
         if devices:
             check_input_devices(leaves, devices)
+        if len(devices) > 1:  # (DataParallel's replicas share what is passed by reference; a rank has its own)
+            check_one_shot(leaves)
         self.splitting = len(devices) != 1
         mapped = map_leaves(leaves, self.splitting)  # raises for what no call of this key can split
         self.n_leaves = len(leaves)

@@ -23,6 +23,7 @@ from .move.scatter import move_tree, scatter_tree
 from .plan.call_plan import CallPlan, passthrough_plan, plan_call
 from .run.attributes import SettingsAttributes
 from .run.execute import run_replicas
+from .run.replica_copies import refuse_unreplicable
 from .run.replicas import Lease, ReplicaCache, replicate_once
 from .run.settings import NAMES, Settings, check_given_device_ids, resolve_device
 from .run.workers import WorkerPool
@@ -98,7 +99,9 @@ class DataParallel(SettingsAttributes, nn.DataParallel):
     Raises:
         TypeError: ``module`` is not a ``torch.nn.Module``; ``dim``, a spec or a ``cost`` is of the wrong type, or
             names a parameter ``module.forward`` does not have (the message lists the known names); a compiled
-            module over several devices (wrap it first: ``torch.compile(dpfast.DataParallel(model, ...))``).
+            module, or opacus' per-sample-gradient module, over several devices: its replicas cannot be made
+            (compile the wrapper instead: ``torch.compile(dpfast.DataParallel(model, ...))``; ``plan()`` and the
+            call raise it too, for a module compiled after the wrapper was built).
         ValueError: a device that is not ``"cpu"`` or an available CUDA device, ``chunk_sizes`` of another length
             than ``device_ids`` or with a negative weight, an unknown ``out_dims`` reduction.
 
@@ -136,6 +139,8 @@ class DataParallel(SettingsAttributes, nn.DataParallel):
         check_given_device_ids(device_ids)
         values = dict(zip(NAMES, (device_ids, output_device, dim, in_dims, out_dims, chunk_sizes, cost)))
         self._use(Settings(module, values))
+        if len(self._settings.devices) > 1 and type(self).replicate is DataParallel.replicate:
+            refuse_unreplicable(module)  # (plan() and the call raise it too, for a module compiled later)
         if len(self._settings.devices) == 1:
             self.module.to(self._settings.devices[0])  # as torch does for a single device
 
@@ -146,7 +151,7 @@ class DataParallel(SettingsAttributes, nn.DataParallel):
         s = self._current_settings() if settings is None else settings
         if not s.devices:
             return passthrough_plan(forward_of(self.module), inputs, kwargs)
-        self._replicas.check_module_device(self.module, s.devices[0])
+        self._replicas.check_module(self.module, s.devices[0], replicated=len(s.devices) > 1)
         return self._plan_on(s.devices, inputs, kwargs, s)
 
     def _plan_on(
@@ -161,6 +166,9 @@ class DataParallel(SettingsAttributes, nn.DataParallel):
             devices=devices, output_device=s.output_device, cost=s.cost,
         )  # fmt: skip
 
+    # dynamo runs the call as it is, a graph break in a compiled caller: its replicas run on worker threads and are
+    # leased to the outputs' autograd graph, which tracing cannot hold (docs/guides/compile-and-threads.md)
+    @torch.compiler.disable
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Split the call's batch over ``device_ids``, run a replica of ``module`` per chunk, and gather.
 
@@ -224,7 +232,8 @@ class DataParallel(SettingsAttributes, nn.DataParallel):
 
     def _run_through_hooks(self, inputs: tuple, kwargs: dict) -> Any:
         """torch's forward: scatter -> replicate -> parallel_apply -> gather, for a subclass overriding any of them."""
-        self._replicas.check_module_device(self.module, self._devices[0])
+        own_replicas = type(self).replicate is DataParallel.replicate  # (an overridden one may copy what we refuse)
+        self._replicas.check_module(self.module, self._devices[0], own_replicas and len(self._devices) > 1)
         args, kws = self.scatter(inputs, kwargs, self.device_ids)
         if len(self._devices) == 1:
             return self.module(*args[0], **kws[0])

@@ -106,7 +106,8 @@ def plan_matches_call(request, monkeypatch):
 
     monkeypatch.setattr(data_parallel, "scatter_tree", scatter_tree)
     monkeypatch.setattr(data_parallel, "run_replicas", run_replicas)
-    monkeypatch.setattr(data_parallel.DataParallel, "forward", forward)
+    # as the real forward is: dynamo runs the call as it is (its checks here too)
+    monkeypatch.setattr(data_parallel.DataParallel, "forward", torch.compiler.disable(forward))
     yield
 
 

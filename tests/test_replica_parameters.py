@@ -72,9 +72,14 @@ def test_opacus_per_sample_gradients_are_refused(mode):
 
         gsm = wrap_model(model, grad_sample_mode=mode)
     before = copy.deepcopy(model.state_dict())
-    dp = dpfast.DataParallel(gsm, ["cpu"] * 3)
-    with pytest.raises(TypeError, match=r"opacus' GradSampleModule\w*: its per-sample gradients.*Run it on one"):
-        dp(torch.randn(10, 3))
+    refusal = r"opacus' GradSampleModule\w*: its per-sample gradients.*Run it on one"
+    with pytest.raises(TypeError, match=refusal):  # the constructor refuses it
+        dpfast.DataParallel(gsm, ["cpu"] * 3)
+    dp = dpfast.DataParallel(gsm, ["cpu"])
+    dp.device_ids = ["cpu"] * 3  # made several devices afterwards: plan() and the call refuse it alike
+    for what in (dp.plan, dp):
+        with pytest.raises(TypeError, match=refusal):
+            what(torch.randn(10, 3))
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert all(getattr(p, "grad_sample", None) is None for p in model.parameters())
     dpfast.DataParallel(gsm, ["cpu"])(torch.randn(10, 3))  # one device: no replicas, opacus as usual

@@ -326,8 +326,14 @@ def test_in_dims_names_bind_through_torch_compile():
         def forward(self, x, h):
             return x, h
 
+    from dpfast.plan.call_plan import plan_call
+    from dpfast.trees.binding import Binding, forward_of
+
     compiled = torch.compile(Seq(), backend="eager")
-    dp = dpfast.DataParallel(compiled, device_ids=["cpu"] * 2, in_dims={"h": 1})
-    plan = dp.plan(torch.zeros(4, 3), torch.zeros(2, 4, 5))  # h passed by position
-    assert plan.sizes == [2, 2]
+    plan = plan_call(Binding(forward_of(compiled), {"h": 1}, 0), (torch.zeros(4, 3), torch.zeros(2, 4, 5)), {}, 2)
+    assert plan.sizes == [2, 2]  # h passed by position, split along its axis 1
     assert "(2, 2, 5)" in str(plan)
+    # (DataParallel binds so too, and refuses to copy a compiled module over several devices: see
+    # test_compiled_wrapper.py; one device calls it directly)
+    dp = dpfast.DataParallel(compiled, device_ids=["cpu"], in_dims={"h": 1})
+    assert dp.plan(torch.zeros(4, 3), torch.zeros(2, 4, 5)).batch_size == 4

@@ -64,13 +64,34 @@ def _refuse_per_sample_gradients(root: nn.Module) -> None:
             )
 
 
+def _refuse_scripted(root: nn.Module) -> None:
+    """A TorchScript module keeps its parameters and submodules in the compiled module (its ``_parameters`` and
+    ``_modules`` are views of it, not dicts): a copy cannot be given tensors of its own."""
+    for name, m in root.named_modules():
+        if isinstance(m, torch.jit.ScriptModule):
+            where = f"`{name}` of the wrapped module" if name else "the wrapped module"
+            raise TypeError(
+                f"{where} is a TorchScript module ({type(m).__name__}), which cannot be copied into replicas: its "
+                "parameters live in the compiled module. Wrap the eager module instead, "
+                "dpfast.DataParallel(model, ...) before torch.jit.script or torch.jit.trace, or run the TorchScript "
+                "module on one device (device_ids=[0]: it is called directly, as torch's DataParallel calls it)"
+            )
+
+
+def refuse_unreplicable(root: nn.Module) -> None:
+    """Raise for a module tree whose replicas cannot be made (a TorchScript or compiled module, opacus' per-sample
+    gradients): what the constructor, ``plan()`` and the call raise alike, before anything is changed."""
+    _refuse_scripted(root)
+    _refuse_compiled(root)
+    _refuse_per_sample_gradients(root)
+
+
 class SourceSnapshot:
     """The module tree as its replicas were built from it: every module, parameter and buffer, and a shallow
     snapshot of each module's class and dicts, to tell by identity whether it is still the same tree."""
 
     def __init__(self, root: nn.Module):
-        _refuse_compiled(root)
-        _refuse_per_sample_gradients(root)
+        refuse_unreplicable(root)
         self.root = root
         self.modules = list(root.modules())
         self.types = [type(m) for m in self.modules]

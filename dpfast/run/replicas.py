@@ -53,7 +53,7 @@ from torch import nn
 
 from ..move.broadcast import broadcast, buffer_copies, fresh
 from ..trees.flatten import flatten
-from .replica_copies import Replica, SourceSnapshot, undo_all
+from .replica_copies import Replica, SourceSnapshot, refuse_unreplicable, undo_all
 from .shallow_snapshots import all_same, snap
 from .write_watch import WriteWatch
 
@@ -258,18 +258,23 @@ class ReplicaCache:
         if cached is not None and cached[0] is root and all_same(_tree_dicts(cached[1]), *cached[2:4]):
             return cached[1], cached[4]
         modules = list(root.modules())
+        if any(isinstance(m, torch.jit.ScriptModule) for m in modules):  # (its dicts are views: none kept)
+            return modules, [*root.parameters(), *root.buffers()]
         dicts = _tree_dicts(modules)
         snaps = [snap(d) for d in dicts]
         tensors = [t for m in modules for d in (m._parameters, m._buffers) for t in d.values() if t is not None]
         self._module_list = (root, modules, [k for k, _ in snaps], [v for _, v in snaps], tensors)
         return modules, tensors
 
-    def check_module_device(self, root: nn.Module, source: torch.device) -> None:
-        """:func:`check_module_device` without walking the module tree through generators at every step. While the
-        replicas' snapshot holds, its tensors are the tree's, and the lease that follows checks the same snapshot
-        again: one set of snapshots per call to read, not two."""
+    def check_module(self, root: nn.Module, source: torch.device, replicated: bool) -> None:
+        """:func:`check_module_device` without walking the module tree through generators at every step, and, when
+        the call makes ``replicated`` copies, :func:`refuse_unreplicable` (so ``plan()`` raises what the call
+        does). While the replicas' snapshot holds, its tensors are the tree's and it passed both checks when it
+        was made, and the lease that follows checks it again: one set of snapshots per call to read, not two."""
         snapshot = self._source
         valid = snapshot is not None and snapshot.valid(root)
+        if replicated and not valid:
+            refuse_unreplicable(root)
         tensors = snapshot.params_and_buffers if valid else self._tree(root)[1]  # type: ignore[union-attr]
         if source == _CPU and all(map(_IS_CPU, tensors)):  # (no device object made per tensor)
             return

@@ -6,6 +6,7 @@
 - ``InheritedConstructors``: a dpfast class whose constructor is torch's (``SyncBatchNorm`` is a ``_BatchNorm``)
   documents that constructor's parameters; Griffe reads dpfast's source only, so it is given the signature the
   class has at run time, and its ``Args:`` are checked against it like any other.
+- ``PublicBases``: a class page lists public bases only, never a private mixin of dpfast.
 """
 
 from __future__ import annotations
@@ -87,3 +88,61 @@ class InheritedConstructors(griffe.Extension):
             return
         params = griffe.Parameters(*(_parameter(p) for p in signature.parameters.values()))
         cls.set_member("__init__", griffe.Function("__init__", parameters=params, parent=cls))
+
+
+# The modules whose names are dpfast's public API (DESIGN.md); any other dpfast class is private, wherever it lives.
+PUBLIC_MODULES = (
+    "dpfast",
+    "dpfast.ops",
+    "dpfast.nn",
+    "dpfast.reference",
+    "dpfast.distributed",
+    "dpfast.integrations.transformers",
+)
+
+
+def _public_names() -> set[str]:
+    names: set[str] = set()
+    for module in PUBLIC_MODULES:
+        names.update(getattr(importlib.import_module(module), "__all__", ()))
+    return names
+
+
+class PublicBases(griffe.Extension):
+    """A public class's page lists its public bases only (``dpfast.DataParallel``: ``torch.nn.DataParallel``, not
+    the private mixin that holds its settings' attributes). Run once the package is loaded, when what a class
+    inherits can be resolved: a constructor a private base gives (``dpfast.nn``'s ``state_batch_first``) is kept."""
+
+    def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
+        if pkg.path == "dpfast":
+            public = _public_names()
+            for cls in _classes(pkg):
+                _drop_private_bases(cls, public)
+
+
+def _classes(obj: griffe.Object) -> list[griffe.Class]:
+    found = []
+    for member in obj.members.values():
+        if member.is_alias:
+            continue
+        if member.is_class:
+            found.append(member)
+        if member.is_module or member.is_class:
+            found.extend(_classes(member))
+    return found
+
+
+def _drop_private_bases(cls: griffe.Class, public: set[str]) -> None:
+    kept = [b for b in cls.bases if not _is_private(str(getattr(b, "canonical_path", b)), public)]
+    if len(kept) == len(cls.bases):
+        return
+    if "__init__" not in cls.members:
+        init = cls.inherited_members.get("__init__")
+        if init is not None:
+            cls.set_member("__init__", init)
+    cls.bases = kept
+
+
+def _is_private(path: str, public: set[str]) -> bool:
+    """A dpfast class that is not public API (torch's own bases are shown as torch names them)."""
+    return path.startswith("dpfast.") and path.rsplit(".", 1)[-1] not in public

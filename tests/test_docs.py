@@ -308,6 +308,19 @@ def test_the_api_reference_renders_every_public_name():
         ), f"docs/api/dpfast.md does not render dpfast.{name}"
 
 
+def test_class_pages_list_public_bases_only():
+    """The API page showed ``Bases: SettingsAttributes, DataParallel``: a private mixin on the public page."""
+    griffe = pytest.importorskip("griffe")
+    if not (DOCS / "_griffe_roles.py").is_file():
+        pytest.skip("docs/ is not in this tree")
+    extensions = griffe.load_extensions(f"{DOCS / '_griffe_roles.py'}:PublicBases")
+    package = griffe.load("dpfast", search_paths=[str(ROOT)], extensions=extensions)
+    bases = {name: [str(b.canonical_path) for b in package[name].bases] for name in ("DataParallel", "ScatterError")}
+    assert bases == {"DataParallel": ["torch.nn.DataParallel"], "ScatterError": ["ValueError"]}
+    ddp = package["distributed.DistributedDataParallel"]
+    assert [str(b.canonical_path) for b in ddp.bases] == ["torch.nn.parallel.DistributedDataParallel"]
+
+
 def test_the_rebuild_hint_never_installs_dpfast_from_an_index(monkeypatch):
     """What ``import dpfast`` and ``python -m dpfast info`` tell an installed (not checked-out) dpfast to run: there is
     no dpfast on a package index, so ``pip install ... --no-binary dpfast dpfast`` would find nothing."""

@@ -160,8 +160,8 @@ class PurePythonBuild(build_py):
 SHIPPED_FOLDERS = {"dpfast.examples": "examples", "dpfast.benchmarks": "benchmarks"}
 
 
-def packages() -> list[str]:
-    return sorted(find_packages(HERE, include=["dpfast", "dpfast.*"]) + list(SHIPPED_FOLDERS))
+def packages(shipped: bool = True) -> list[str]:
+    return sorted(find_packages(HERE, include=["dpfast", "dpfast.*"]) + (list(SHIPPED_FOLDERS) if shipped else []))
 
 
 def main() -> None:
@@ -174,9 +174,13 @@ def main() -> None:
     if problem:
         raise SystemExit(f"[dpfast build] {problem}")
     exts, record = extensions(torch) if torch else ([], {})
+    # An editable install (pip install -e) of dpfast's packages alone, from the checkout's root: setuptools then
+    # writes a .pth file naming the checkout, which type checkers (mypy, pyright) read, instead of an import hook,
+    # which they cannot; the examples and benchmarks are read from the checkout there (dpfast/__main__.py).
+    editable = "editable_wheel" in sys.argv[1:]
     setup(
-        packages=packages(),
-        package_dir=SHIPPED_FOLDERS,
+        packages=packages(shipped=not editable),
+        package_dir={"": "."} if editable else SHIPPED_FOLDERS,
         install_requires=[torch_requirement(torch.__version__ if exts else None)],
         ext_modules=exts,
         cmdclass={"build_py": PurePythonBuild} if PURE else {"build_ext": build_ext_class(record)} if exts else {},

@@ -388,3 +388,33 @@ def test_cli_bench_forwards_options_with_values_without_a_benchmark_name(tmp_pat
     monkeypatch.setattr(cli, "BENCHMARKS_DIR", tmp_path)
     assert cli.main(["bench", "--quick", "--out", str(tmp_path / "results")]) == 0
     assert capsys.readouterr().out.count(f"got ['--quick', '--out', '{tmp_path / 'results'}']") == 2
+
+
+def _development_install() -> Path | None:
+    """The .pth file of dpfast's development install (``pip install -e``) in this interpreter's site-packages."""
+    import site
+
+    found = [p for d in site.getsitepackages() for p in Path(d).glob("__editable__.dpfast-*.pth")]
+    return found[0] if found else None
+
+
+def test_a_type_checker_sees_the_development_install_from_outside_the_checkout(tmp_path):
+    """Was: ``mypy --strict`` on user code outside the checkout reported ``Cannot find implementation or library stub
+    for module named "dpfast"`` (setuptools' editable import hook is invisible to type checkers), so a subclass of
+    ``dpfast.DataParallel`` subclassed ``Any``. The development install is now a path in a .pth file."""
+    pth = _development_install()
+    if pth is None:
+        pytest.skip("dpfast is not installed in development mode (pip install -e) here")
+    assert pth.read_text().split() == [str(TREE)]  # a path, which mypy and pyright read; no import hook
+    pytest.importorskip("mypy")
+    user = tmp_path / "train.py"
+    user.write_text(
+        "from torch import nn\n\nimport dpfast\n\n\n"
+        "class Mine(dpfast.DataParallel):\n    pass\n\n\n"
+        "wrapper: nn.DataParallel[nn.Module] = Mine(nn.Linear(2, 2), ['cpu'] * 2)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("MYPYPATH", "PYTHONPATH")}
+    cache = TREE / ".mypy_cache"  # (what `make typecheck` read of torch already, if it ran)
+    command = [sys.executable, "-m", "mypy", "--strict", "--cache-dir", str(cache), str(user)]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr

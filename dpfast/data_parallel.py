@@ -9,6 +9,7 @@ every input before anything is copied or run. torch's hooks ``scatter``, ``repli
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ from torch import nn
 from .ext.op_checks import DeviceLike
 from .move.gather import gather_outputs
 from .move.scatter import move_tree, scatter_tree
+from .plan.batch_errors import whole_sequence_hint
 from .plan.call_plan import CallPlan, passthrough_plan, plan_call
 from .run.attributes import SettingsAttributes
 from .run.execute import run_replicas
@@ -223,8 +225,9 @@ class DataParallel(SettingsAttributes, nn.DataParallel):
             outputs = run_replicas([self.module], inputs_per_replica, devices)
         else:
             lease = self._replicas.lease(self.module, source, devices)
+            hint = functools.partial(whole_sequence_hint, plan.tree, plan.batch_size)
             outputs = _run_leased(lease, lambda: run_replicas(lease.modules, inputs_per_replica, devices, self._pool,
-                                                              lease.watch))  # fmt: skip
+                                                              lease.watch, hint))  # fmt: skip
         s, out_dims = self._settings_or_now(), self.out_dims
         return gather_outputs(outputs, out_dims, self.dim, s.output_device, sizes, s.outputs_for(out_dims))
 

@@ -128,3 +128,35 @@ def test_a_suggested_fix_keeps_items_next_to_a_bad_leaf():
     dp = dpfast.DataParallel(Batch(), ["cpu"] * 2, in_dims={"batch": {"images": "items"}})
     with pytest.raises(dpfast.ScatterError, match=r"in_dims=\{'batch': \{'images': 'items', 'h': 1\}\}"):
         dp({"images": images, "h": torch.zeros(1, 4, 2)})
+
+
+class _PerSample(nn.Module):
+    """Scales each sample by its own entry of a Python list: a list of B entries that must be split with ``x``."""
+
+    def forward(self, x, lengths):
+        return x * torch.tensor(lengths, dtype=x.dtype).unsqueeze(1)
+
+
+def test_a_replica_failing_on_a_list_of_b_entries_passed_whole_names_it_and_the_fix():
+    """Was: ``The size of tensor a (5) must match the size of tensor b (10)`` from replica 0, naming nothing."""
+    x, lengths = torch.ones(10, 2), [float(n) for n in range(10)]
+    dp = dpfast.DataParallel(_PerSample(), ["cpu"] * 2)
+    with pytest.raises(
+        RuntimeError,
+        match=r"(?s)replica 0 on cpu raised .*must match.*`lengths` is a list of 10 "
+        r"entries, as many as B, passed whole to every replica.*in_dims=\{'lengths': 'items'\}",
+    ):
+        dp(x, lengths)
+    fixed = dpfast.DataParallel(_PerSample(), ["cpu"] * 2, in_dims={"lengths": "items"})  # what it suggests
+    torch.testing.assert_close(fixed(x, lengths), _PerSample()(x, lengths))
+
+
+def test_no_hint_for_a_list_that_is_not_b_long_or_given_none():
+    class Fails(nn.Module):
+        def forward(self, x, weights):
+            raise ValueError("no")
+
+    for in_dims, weights in ((None, [1.0, 2.0]), ({"weights": None}, [1.0] * 4)):
+        with pytest.raises(ValueError) as info:
+            dpfast.DataParallel(Fails(), ["cpu"] * 2, in_dims=in_dims)(torch.ones(4, 2), weights)
+        assert "passed whole" not in str(info.value)

@@ -161,3 +161,26 @@ def _is_items_list(tdef: TreeDef, batch: int | None) -> bool:
         return False
     values = tdef.orig_values
     return all(isinstance(v, Tensor) and not v.is_nested for v in values) and len({v.shape for v in values}) > 1
+
+
+def whole_sequence_hint(tree: Any, batch: int | None) -> str:
+    """For a replica's error: the arguments that are lists or tuples of ``B`` entries without a tensor, passed whole
+    to every replica under the default spec, which may hold one entry per sample (``""`` when none is)."""
+    if not batch:
+        return ""
+    names = []
+    for (name, path, _, explicit), value in zip(tree._bound, tree.values):
+        if explicit or type(value) not in (list, tuple) or len(value) != batch:
+            continue
+        if tree.binding.has_signature and path != name:  # (one of *args: no in_dims key names it alone)
+            continue
+        if not any(isinstance(v, (Tensor, PackedSequence)) for v in value):
+            names.append((path, type(value).__name__))
+    if not names:
+        return ""
+    what = "; ".join(f"`{p}` is a {kind} of {batch} entries" for p, kind in names)
+    fix = tree.binding.suggestion({p: ITEMS for p, _ in names})
+    return (
+        f". Note: {what}, as many as B, passed whole to every replica (only tensors are split): if it holds one "
+        f"entry per sample, give it the spec 'items' ({fix}) or pass it as a tensor"
+    )

@@ -88,10 +88,10 @@ def _autocast_state(device_type: str) -> tuple[torch.dtype, bool] | None:
     return torch.get_autocast_dtype(device_type), torch.is_autocast_cache_enabled()
 
 
-def _wrap(exc: BaseException, index: int, device: torch.device, n_failed: int) -> BaseException:
+def _wrap(exc: BaseException, index: int, device: torch.device, n_failed: int, hint: str = "") -> BaseException:
     """An exception of the same type (when it can be built from a message) naming the replica and device."""
     others = f" ({n_failed - 1} other replica{'s' if n_failed > 2 else ''} failed too)" if n_failed > 1 else ""
-    msg = f"replica {index} on {device} raised {type(exc).__name__}: {exc}{others}"
+    msg = f"replica {index} on {device} raised {type(exc).__name__}: {exc}{others}{hint}"
     try:
         new = type(exc)(msg)
         # args, not str(): str(KeyError(m)) is repr(m), yet a KeyError must stay a KeyError (as in torch)
@@ -108,6 +108,7 @@ def run_replicas(
     devices: Sequence[torch.device],
     pool: WorkerPool | None = None,
     watch: WriteWatch | None = None,
+    hint: Callable[[], str] | None = None,
 ) -> list[Any]:
     """``modules[i](*inputs[i][0], **inputs[i][1])`` for every ``i``; results in replica order.
 
@@ -115,6 +116,7 @@ def run_replicas(
     :mod:`dpfast.run.rendezvous`), so a rehearsal on one device is deterministic and runs inline. ``watch`` is told
     when each replica's turn ends (:mod:`dpfast.run.write_watch`). A ``KeyboardInterrupt`` (any ``BaseException``
     that is not an ``Exception``) stops the call: no replica starts after it, and it is re-raised as it is.
+    ``hint()`` is what a replica's re-raised error adds about the call's arguments (read only then).
     """
     n = len(modules)
     if n == 1:
@@ -161,7 +163,7 @@ def run_replicas(
         errors[j] = call.start_errors[j]
     if any(e is not None for e in errors):
         results.clear()  # the exception's traceback holds run()'s frame, whose closure holds these lists
-        _raise_first(errors, devices)
+        _raise_first(errors, devices, hint)
     return results
 
 
@@ -187,7 +189,9 @@ def _spawner(pool: WorkerPool, context: _CallerContext, tasks: list[threading.Ev
     return spawn
 
 
-def _raise_first(errors: list[BaseException | None], devices: Sequence[torch.device]) -> None:
+def _raise_first(
+    errors: list[BaseException | None], devices: Sequence[torch.device], hint: Callable[[], str] | None = None
+) -> None:
     """Raise the root cause: an interrupt as it was raised, else a replica's own exception (over the collective
     errors it caused in the others) naming the replica and device, chained to the original."""
     n = len(errors)
@@ -204,7 +208,7 @@ def _raise_first(errors: list[BaseException | None], devices: Sequence[torch.dev
     try:
         if stops:  # KeyboardInterrupt, SystemExit...: as it was raised (a wrapped SystemExit changes the exit)
             raise exc
-        raise _wrap(exc, i, devices[i], len(failed)) from exc
+        raise _wrap(exc, i, devices[i], len(failed), hint() if hint is not None else "") from exc
     finally:
         del exc  # the traceback keeps this frame: it must not name the exception (a cycle, as above)
 

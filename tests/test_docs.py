@@ -298,6 +298,7 @@ def test_the_api_reference_renders_every_public_name():
         "dpfast.nn",
         "dpfast.distributed",
         "dpfast.integrations.transformers",
+        "dpfast.integrations.lightning",
     ):
         assert re.search(rf"^::: {re.escape(module)}$", text, re.M), f"no API page renders {module}"
     for name in dpfast.__all__:

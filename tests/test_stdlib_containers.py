@@ -232,3 +232,53 @@ def test_dataclass_spec_errors():
         r"in_dims=\{'b': \{'x': 0, 'mask': None, 'tag': None\}\}\)",
     ):
         dp(Batch(torch.randn(4, 3), torch.randn(3, 3)))
+
+
+def _output_class(kind: str, fields: tuple[str, ...]) -> type:
+    if kind == "namedtuple":
+        return collections.namedtuple("Output", fields)
+    return dataclasses.make_dataclass("Output", [(f, typing.Any) for f in fields])
+
+
+@pytest.mark.parametrize("kind", ["namedtuple", "dataclass"])
+def test_replicas_returning_equal_classes_of_their_own_are_gathered(kind):
+    """Was: the first call failed with 'different output structures: replica 0 returned a Output with fields
+    ['prediction'], replica 1 returned a Output with fields ['prediction']'."""
+    torch.manual_seed(0)
+
+    class PerInstance(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x):
+            cls = self.__dict__.get("_output")
+            if cls is None or self.__dict__.get("_owner") != id(self):  # a copy builds its own
+                cls = self.__dict__["_output"] = _output_class(kind, ("prediction",))
+                self.__dict__["_owner"] = id(self)
+            return cls(self.lin(x))
+
+    model = PerInstance()
+    x = torch.randn(6, 3)
+    out = dpfast.DataParallel(model, ["cpu"] * 3)(x)
+    assert type(out).__name__ == "Output" and torch.allclose(out.prediction, model(x).prediction)
+
+
+def test_classes_of_one_name_with_other_fields_still_differ_and_the_message_shows_how():
+    class Differs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x):
+            fields = ("prediction",) if x[0, 0] > 0 else ("prediction", "extra")
+            return _output_class("namedtuple", fields)(*([self.lin(x)] * len(fields)))
+
+    x = torch.randn(4, 3)
+    x[0, 0], x[2, 0] = 1.0, -1.0
+    with pytest.raises(
+        ValueError,
+        match=r"replica 0 returned a Output with fields \['prediction'\], replica 1 "
+        r"returned a Output with fields \['prediction', 'extra'\]",
+    ):
+        dpfast.DataParallel(Differs(), ["cpu"] * 2)(x)

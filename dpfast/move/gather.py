@@ -129,10 +129,17 @@ def _first_difference(a: TreeDef, a_leaves: list, b: TreeDef, b_leaves: list) ->
                 return path_text(where), mine, theirs
             ia, ib = ia + 1, ib + 1
             continue
-        if x.kind != y.kind or type(x.orig) is not type(y.orig) or list(x.keys) != list(y.keys):
+        if x.kind != y.kind or not _alike(type(x.orig), type(y.orig)) or list(x.keys) != list(y.keys):
             return path_text(where), x.orig, y.orig
         stack.extend(reversed([(cx, cy, (where, x.kind, k)) for k, cx, cy in zip(x.keys, x.children, y.children)]))
     return None
+
+
+def _alike(a: type, b: type) -> bool:
+    """One class, or two of the same name from the same module: a model that builds its output class per instance
+    (pytorch-forecasting's) gives each replica, a copy, its own. With the same fields (compared beside this) they
+    are one structure, rebuilt with replica 0's class."""
+    return a is b or (a.__qualname__ == b.__qualname__ and a.__module__ == b.__module__)
 
 
 def _weights(sizes: Sequence[int]) -> list[float]:

@@ -160,3 +160,21 @@ def test_no_hint_for_a_list_that_is_not_b_long_or_given_none():
         with pytest.raises(ValueError) as info:
             dpfast.DataParallel(Fails(), ["cpu"] * 2, in_dims=in_dims)(torch.ones(4, 2), weights)
         assert "passed whole" not in str(info.value)
+
+
+def test_outputs_padded_to_each_chunks_longest_name_the_cause_and_fixes():
+    """Was: 'is the batch on another axis? set out_dims for it', while axis 0 already carried the chunk sizes
+    (speechbrain's and pytorch-forecasting's LSTMs, flair's CRF)."""
+
+    class PadsToLongest(nn.Module):
+        def forward(self, x, lengths):
+            longest = int(lengths.max())
+            return x[:, :longest]
+
+    x, lengths = torch.randn(4, 6, 5), torch.tensor([6, 5, 3, 2])
+    with pytest.raises(
+        ValueError,
+        match=r"axis 0 carries the batch chunks, but axis 1 differs across replicas "
+        r"\(\[6, 3\]\): padded to each chunk's longest sequence\? Pad to a fixed length",
+    ):
+        dpfast.DataParallel(PadsToLongest(), ["cpu"] * 2)(x, lengths)

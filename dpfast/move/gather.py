@@ -8,7 +8,6 @@ channels_last out), as torch's gather does.
 from __future__ import annotations
 
 import numbers
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,11 +17,12 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 
 from .. import ops
 from ..plan.program import ProgramCache
-from ..trees.containers import LEAF, TreeDef, describe_value, is_namedtuple, node_kind
+from ..trees.containers import describe_value, is_namedtuple, node_kind
 from ..trees.facts import inverse, memory_order
 from ..trees.flatten import unflatten
-from ..trees.specs import ITEMS, Leaf, Spec, path_text
+from ..trees.specs import ITEMS, Leaf, Spec
 from ..trees.walk import walk
+from .gather_checks import check_concatenable, check_same_structure, warn_if_batch_elsewhere
 from .nested import gather_jagged
 from .scatter import move, move_all
 
@@ -92,7 +92,7 @@ def gather_outputs(
     key = walks[0][2]
     same = key is not None and all(w[2] == key for w in walks[1:])
     if not same:
-        _check_same_structure(walks, outputs)
+        check_same_structure(walks, outputs)
     program = programs.get(key) if same and programs is not None else None
     if program is None:
         records: list[Leaf] = []
@@ -103,45 +103,6 @@ def gather_outputs(
     return unflatten(walks[0][0], program.run([w[1] for w in walks], device, sizes))
 
 
-def _check_same_structure(walks: Sequence[tuple], outputs: Sequence[Any]) -> None:
-    """Raise, naming the first place where a replica's outputs have another structure than replica 0's."""
-    for r, (tdef, values, _) in enumerate(walks[1:], start=1):
-        where = _first_difference(walks[0][0], walks[0][1], tdef, values)
-        if where is not None:
-            path, mine, theirs = where
-            raise ValueError(
-                f"replicas returned different output structures: replica 0 returned {describe_value(mine)}, "
-                f"replica {r} returned {describe_value(theirs)} at `{path}`; every replica must return the same "
-                "structure"
-            )
-
-
-def _first_difference(a: TreeDef, a_leaves: list, b: TreeDef, b_leaves: list) -> tuple[str, Any, Any] | None:
-    """``(path, a's value, b's value)`` where two walked values first differ in structure, or None."""
-    stack: list[tuple[TreeDef, TreeDef, Any]] = [(a, b, "output")]
-    ia = ib = 0
-    while stack:
-        x, y, where = stack.pop()
-        if x is LEAF or y is LEAF:
-            if x is not y:
-                mine = a_leaves[ia] if x is LEAF else x.orig
-                theirs = b_leaves[ib] if y is LEAF else y.orig
-                return path_text(where), mine, theirs
-            ia, ib = ia + 1, ib + 1
-            continue
-        if x.kind != y.kind or not _alike(type(x.orig), type(y.orig)) or list(x.keys) != list(y.keys):
-            return path_text(where), x.orig, y.orig
-        stack.extend(reversed([(cx, cy, (where, x.kind, k)) for k, cx, cy in zip(x.keys, x.children, y.children)]))
-    return None
-
-
-def _alike(a: type, b: type) -> bool:
-    """One class, or two of the same name from the same module: a model that builds its output class per instance
-    (pytorch-forecasting's) gives each replica, a copy, its own. With the same fields (compared beside this) they
-    are one structure, rebuilt with replica 0's class."""
-    return a is b or (a.__qualname__ == b.__qualname__ and a.__module__ == b.__module__)
-
-
 def _weights(sizes: Sequence[int]) -> list[float]:
     """Each replica's share of the batch (``"mean"`` weighs by it)."""
     total = sum(sizes)
@@ -150,7 +111,7 @@ def _weights(sizes: Sequence[int]) -> list[float]:
 
 def _warned(leaf: Leaf, out: Tensor, values: list, sizes: Sequence[int]) -> Tensor:
     """A plain leaf gathered whose replicas' sizes along its axis are not the chunk sizes: maybe a warning."""
-    _warn_if_batch_elsewhere(leaf, leaf.spec, leaf.spec % out.dim(), values, sizes)
+    warn_if_batch_elsewhere(leaf, leaf.spec, leaf.spec % out.dim(), values, sizes)
     return out
 
 
@@ -201,7 +162,7 @@ def _concatenate(leaf: Leaf, spec: int, values: list[Tensor], device: torch.devi
         return ops.gather([v.reshape(1) for v in values], 0, device)
     ref = values[0]
     if ref.dim() == 0 or not -ref.dim() <= spec < ref.dim():
-        _check_concatenable(leaf, spec, values, sizes)
+        check_concatenable(leaf, spec, values, sizes)
     axis = spec % ref.dim()
     perm = memory_order(ref)
     try:  # ops.gather checks dims, dtypes and shapes before it copies anything
@@ -210,42 +171,10 @@ def _concatenate(leaf: Leaf, spec: int, values: list[Tensor], device: torch.devi
         else:  # replica 0 returned channels_last: gather the NHWC views (a contiguous NHWC result), view back
             out = ops.gather([v.permute(perm) for v in values], perm.index(axis), device).permute(inverse(perm))
     except (ValueError, IndexError):
-        _check_concatenable(leaf, spec, values, sizes)  # the same problem, worded for the output and its replicas
+        check_concatenable(leaf, spec, values, sizes)  # the same problem, worded for the output and its replicas
         raise
-    _warn_if_batch_elsewhere(leaf, spec, axis, values, sizes)
+    warn_if_batch_elsewhere(leaf, spec, axis, values, sizes)
     return out
-
-
-def _check_concatenable(leaf: Leaf, spec: int, values: list, sizes: Sequence[int]) -> None:
-    ref = values[0]
-    if not -ref.dim() <= spec < ref.dim():
-        raise ValueError(
-            f"output `{leaf.path}` cannot be concatenated along axis {spec}: replica 0 returned shape "
-            f"{tuple(ref.shape)}, which has no axis {spec}; give it another out_dims axis, or None/'sum'/'mean'"
-        )
-    for r, v in enumerate(values):
-        if v.dim() != ref.dim() or not -v.dim() <= spec < v.dim():
-            raise ValueError(
-                f"output `{leaf.path}` cannot be concatenated along axis {spec}: replica {r} returned shape "
-                f"{tuple(v.shape)}, replica 0 {tuple(ref.shape)}; give it another out_dims axis, or None/'sum'/'mean'"
-            )
-    axis = spec % ref.dim()
-    follows = [k for k in range(ref.dim()) if len(values) == len(sizes) and [v.shape[k] for v in values] == list(sizes)]
-    if axis in follows and len(follows) > 1:
-        shapes = ", ".join(str(tuple(v.shape)) for v in values)
-        raise ValueError(
-            f"output `{leaf.path}` cannot be concatenated along axis {spec}: the replicas returned {shapes}, where "
-            f"axes {follows} all follow each replica's chunk ({list(sizes)} samples): a result between the samples of "
-            "one chunk (a similarity or contrastive logits matrix) covers only that chunk, not the batch. Compute it "
-            "from the gathered outputs after the call, or gather inside forward (dpfast.all_gather)"
-        )
-    for r, v in enumerate(values):
-        if v.dtype != ref.dtype or any(a != b for i, (a, b) in enumerate(zip(v.shape, ref.shape)) if i != axis):
-            raise ValueError(
-                f"output `{leaf.path}` cannot be concatenated along axis {spec}: replica {r} returned "
-                f"{tuple(v.shape)} {v.dtype}, replica 0 {tuple(ref.shape)} {ref.dtype}; all other axes and the "
-                "dtype must agree (is the batch on another axis? set out_dims for it)"
-            )
 
 
 def _concat_items(leaf: Leaf, values: list, device: torch.device) -> Any:
@@ -261,27 +190,6 @@ def _concat_items(leaf: Leaf, values: list, device: torch.device) -> Any:
         return type(values[0])(items)
     except Exception:  # a sequence type with its own constructor: a plain list
         return items
-
-
-def _warn_if_batch_elsewhere(leaf: Leaf, spec: int, axis: int, values: list, sizes: Sequence[int]) -> None:
-    """An output whose batch lies on another axis concatenates fine when the split is even, into a wrong shape
-    (an LSTM state (L, B, H) under the default out_dims 0 comes back (n*L, B/n, H)). Say so when exactly
-    another axis carries the chunk sizes and the chosen one does not."""
-    if len(values) < 2 or len(values) != len(sizes):
-        return
-    got = [v.shape[axis] for v in values]
-    if got == list(sizes):
-        return
-    others = [k for k in range(values[0].dim()) if k != axis and [v.shape[k] for v in values] == list(sizes)]
-    if others:
-        warnings.warn(
-            f"output `{leaf.path}` is concatenated along axis {spec}, where the replicas returned sizes {got}, but its "
-            f"axis {others[0]} carries the batch chunk sizes {list(sizes)}; if the batch is on that axis, set "
-            f"out_dims for `{leaf.path}` to {others[0]} (as given, the result has a different shape than the plain "
-            "module's)",
-            UserWarning,
-            stacklevel=4,
-        )
 
 
 def _non_tensors(leaf: Leaf, values: list) -> Any:

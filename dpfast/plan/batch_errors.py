@@ -4,28 +4,42 @@ marked, and an ``in_dims`` that would fix the call (or why none can). Pure text:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
-from ..trees.containers import TreeDef, key_names
+from ..trees.containers import LEAF, TreeDef, key_names
 from ..trees.flatten import fold
 from ..trees.specs import ITEMS, Leaf, Spec, is_leaf_spec
+from .readings import Reading, pick, readings
 from .render import shape_text, table
+from .splits import split_sizes
+
+PlansTo = Callable[[dict, int], bool]  # whether the call, with these in_dims fixes, splits into this B
 
 
-def scatter_message(tree: Any, mapped: Sequence[Leaf], bad: Sequence[Leaf], batch: int | None, chunk: int) -> str:
-    """The table of every mapped leaf (culprits marked) and an ``in_dims`` that would fix the call; ``chunk`` is
-    the smallest share a replica would get of ``B`` (to tell index tensors, which no spec can fix)."""
+def scatter_message(
+    tree: Any, mapped: Sequence[Leaf], vote: int | None, parts: int, weights: Any, plans_to: PlansTo
+) -> str:
+    """The table of every mapped leaf (culprits marked) and an ``in_dims`` that would fix the call, offered only
+    when ``plans_to`` says the call splits into that ``B`` with it; or, where several readings of ``B`` fit
+    (:mod:`dpfast.plan.readings`), each with its fix, to choose from. ``vote``: the size most arguments agree on."""
+    picked, listed = None, []
+    if _replicates_an_argument(tree, mapped, vote):  # (the vote may be a sequence length: look at every reading)
+        picked, listed = pick(readings(mapped), vote)
+    batch = picked.batch if picked is not None else vote
     if batch is None:
         head = "cannot split the batch: no tensor mapped to a batch axis has a usable batch axis"
     else:
+        why = "the size most arguments agree on" if batch == vote else "the size that splits the most arguments"
         head = (
             f"cannot split the batch: the tensors mapped to a batch axis must all have the same size B there "
-            f"(B = {batch}, the size most arguments agree on)"
+            f"(B = {batch}, {why})"
         )
+    bad = [m for m in mapped if m.problem is not None or m.size != batch]
+    chunk = min((s for s in split_sizes(batch, parts, weights) if s > 0), default=0) if batch else 0
     culprits = {m.index for m in bad}
     indexes = [m for m in bad if _indexes_batch(m, batch, chunk)]
     rows = [("path", "shape", "spec", "axis", "size", "")]
@@ -37,10 +51,56 @@ def scatter_message(tree: Any, mapped: Sequence[Leaf], bad: Sequence[Leaf], batc
     lines = [head] + ["  " + line for line in table(rows)]
     if indexes:
         lines.append(_no_spec_fixes(indexes, batch, chunk))
+    elif listed:
+        lines += _choices(tree, listed, vote, plans_to)
     else:
-        fixes = _fixes(tree, culprits, batch)
-        lines.append(f"suggested fix: DataParallel(..., {tree.binding.suggestion(fixes)})")
+        lines.append(_one_fix(tree, culprits, batch, picked if batch != vote else None, plans_to))
     return "\n".join(lines)
+
+
+def _replicates_an_argument(tree: Any, mapped: Sequence[Leaf], vote: int | None) -> bool:
+    """Whether the fix for ``B = vote`` replicates a tensor that is a whole argument (no axis of it has that size)."""
+    for m in mapped:
+        whole_tensor = tree.arg_defs[m.arg] is LEAF and isinstance(m.value, Tensor) and m.value.dim() > 0
+        if m.size != vote and whole_tensor and _suggest_axis(m, vote) is None:
+            return True
+    return False
+
+
+def _one_fix(tree: Any, culprits: set, batch: int | None, picked: Reading | None, plans_to: PlansTo) -> str:
+    """The fix for ``B = batch``: a culprit on an axis of that size, or (``picked``: another reading than the
+    vote's) where the reading puts it."""
+    fixes = _fixes(tree, culprits, batch, picked.specs if picked is not None else None)
+    if batch is not None and not plans_to(fixes, batch):
+        return (
+            f"no in_dims found that splits this call's arguments into B = {batch}: give each argument its batch "
+            "axis, None for one without, 'items' for a list of per-sample items"
+        )
+    return f"suggested fix: DataParallel(..., {tree.binding.suggestion(fixes)})"
+
+
+def _choices(tree: Any, listed: Sequence[Reading], vote: int | None, plans_to: PlansTo) -> list[str]:
+    """Each reading's fix (those that plan the call), to choose from: which one is meant, only the user knows."""
+    lines = []
+    for r in listed:
+        bad = {i for i, spec in r.specs.items() if spec != _leaf_spec(tree, i)}
+        fixes = _fixes(tree, bad, r.batch, r.specs if r.batch != vote else None)
+        if plans_to(fixes, r.batch):
+            kept = [p for p in _replicated(tree, r)]
+            note = f" (replicating {', '.join(kept)})" if kept else ""
+            lines.append(f"  B = {r.batch}: DataParallel(..., {tree.binding.suggestion(fixes)}){note}")
+    if len(lines) == 1:
+        return ["suggested fix: DataParallel(..., " + lines[0].split("DataParallel(..., ", 1)[1]]
+    head = "several sizes could be B here, so none is picked: say which with in_dims (each of these plans the call)"
+    return [head] + lines if lines else []
+
+
+def _leaf_spec(tree: Any, index: int) -> Spec:
+    return tree.leaves[index].spec
+
+
+def _replicated(tree: Any, r: Reading) -> list[str]:
+    return [f"`{tree.leaves[i].path}`" for i, spec in r.specs.items() if spec is None]
 
 
 def _suggest_axis(m: Leaf, batch: int | None) -> Spec:
@@ -112,12 +172,16 @@ def _no_spec_fixes(indexes: Sequence[Leaf], batch: int | None, chunk: int) -> st
     )
 
 
-def _fixes(tree: Any, culprits: set, batch: int | None) -> dict[str, Spec]:
-    """Per argument name with a culprit: a spec mirroring the argument (collapsed where uniform)."""
+def _fixes(tree: Any, culprits: set, batch: int | None, specs: dict[int, Spec] | None = None) -> dict[str, Spec]:
+    """Per argument name with a culprit: a spec mirroring the argument (collapsed where uniform); a culprit's spec
+    from ``specs`` (a reading's) where given, else an axis of size ``batch``."""
     per_arg: dict[int, list[Spec]] = {}
     for leaf in tree.leaves:
-        bad = leaf.index in culprits
-        per_arg.setdefault(leaf.arg, []).append(_suggest_axis(leaf, batch) if bad else _kept_spec(leaf))
+        if leaf.index not in culprits:
+            spec = _kept_spec(leaf)
+        else:
+            spec = specs.get(leaf.index) if specs is not None else _suggest_axis(leaf, batch)
+        per_arg.setdefault(leaf.arg, []).append(spec)
     bad_args = sorted({leaf.arg for leaf in tree.leaves if leaf.index in culprits})
     binding = tree.binding
     fixes: dict[str, Spec] = {}

@@ -11,6 +11,7 @@ with ``in_dims={'h': 1}`` as the fix.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from fractions import Fraction
@@ -20,12 +21,12 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
+from ..trees.binding import BoundArguments
 from ..trees.containers import packed_batch
 from ..trees.specs import ITEMS, Leaf
 from .batch_errors import scatter_message
 from .errors import ScatterError
 from .layouts import split_method
-from .splits import split_sizes
 
 
 def map_leaves(leaves: Sequence[Leaf], splitting: bool = True) -> list[Leaf]:
@@ -95,11 +96,21 @@ def choose_batch(sizes: Sequence[tuple[int, int | None]]) -> int | None:
 def check_batch(tree: Any, mapped: Sequence[Leaf], parts: int, weights: Sequence[Fraction] | None) -> int | None:
     """``B``, or ``None`` when nothing is mapped; raises :class:`ScatterError` on any disagreement."""
     batch = choose_batch([(m.arg, m.size) for m in mapped])
-    bad = [m for m in mapped if m.problem is not None or m.size != batch]
-    if not bad:
+    if all(m.problem is None and m.size == batch for m in mapped):
         return batch
-    chunk = min((s for s in split_sizes(batch, parts, weights) if s > 0), default=0) if batch else 0
-    raise ScatterError(scatter_message(tree, mapped, bad, batch, chunk))
+    raise ScatterError(scatter_message(tree, mapped, batch, parts, weights, functools.partial(_splits_into, tree)))
+
+
+def _splits_into(tree: Any, fixes: dict, batch: int) -> bool:
+    """Whether ``tree``'s call, with ``fixes`` applied to its in_dims, maps every leaf it splits to ``B == batch``:
+    a suggested fix is offered only so."""
+    dim, in_dims = tree.binding.suggested(fixes)
+    try:
+        again = BoundArguments(tree.binding.rebound(in_dims, dim), tree.args, tree.kwargs)
+        mapped = map_leaves(again.leaves)
+    except (TypeError, ValueError):
+        return False
+    return bool(mapped) and all(m.problem is None and m.size == batch for m in mapped)
 
 
 def check_one_shot(leaves: Sequence[Leaf]) -> None:

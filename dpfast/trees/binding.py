@@ -8,6 +8,7 @@ a usable signature the roots are ``args[i]`` and ``kwargs['name']``.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import warnings
 from collections.abc import Sequence
@@ -41,9 +42,18 @@ class Binding:
     def __init__(self, forward: Callable, in_dims: Any, dim: int):
         if not is_int(dim):
             raise TypeError(f"dim must be an int (the batch axis), got {type(dim).__name__} {dim!r}")
+        self._read_signature(forward)
+        self._bind(in_dims, dim)
+
+    def rebound(self, in_dims: Any, dim: int) -> Binding:
+        """The same signature under other ``in_dims`` and ``dim`` (what a suggested fix builds)."""
+        new = copy.copy(self)
+        new._bind(in_dims, dim)
+        return new
+
+    def _bind(self, in_dims: Any, dim: int) -> None:
         self.dim = dim
         self.user_in_dims = in_dims
-        self._read_signature(forward)
         self.default: Spec = dim  # spec for arguments in_dims does not name
         self.by_name: dict[str, Spec] = {}  # parameter name -> spec
         self.by_index: dict[int, Spec] = {}  # positional index -> spec, when forward has no usable signature
@@ -220,22 +230,28 @@ class Binding:
                 stacklevel=5,
             )
 
-    def suggestion(self, fixes: dict[str, Spec]) -> str:
-        """Render an ``in_dims=`` that keeps what the user gave and applies ``fixes`` (argument name -> spec)."""
+    def suggested(self, fixes: dict[str, Spec]) -> tuple[int, Any]:
+        """``(dim, in_dims)`` that keep what the user gave and apply ``fixes`` (argument name -> spec)."""
         if self.has_signature:
             merged: dict[str, Spec] = dict(self.by_name)
             merged.update(fixes)
             order = {n: i for i, n in enumerate(self.pos_names)}
-            items = sorted(merged.items(), key=lambda kv: order.get(kv[0], len(order)))
             # an int in_dims was a default for every argument; with a dict that default is the `dim` argument
-            prefix = f"dim={self.default!r}, " if is_int(self.default) and self.default != self.dim else ""
-            return prefix + "in_dims={" + ", ".join(f"{k!r}: {v!r}" for k, v in items) + "}"
+            dim = self.default if is_int(self.default) else self.dim
+            return dim, dict(sorted(merged.items(), key=lambda kv: order.get(kv[0], len(order))))
         idx = dict(self.by_index)
         for k, v in fixes.items():  # keys look like "args[3]"
             if k.startswith("args["):
                 idx[int(k[5:-1])] = v
-        n = max(idx) + 1 if idx else 0
-        return "in_dims=[" + ", ".join(repr(idx.get(i, self.default)) for i in range(n)) + "]"
+        return self.dim, [idx.get(i, self.default) for i in range((max(idx) + 1) if idx else 0)]
+
+    def suggestion(self, fixes: dict[str, Spec]) -> str:
+        """Render an ``in_dims=`` that keeps what the user gave and applies ``fixes`` (argument name -> spec)."""
+        dim, in_dims = self.suggested(fixes)
+        prefix = f"dim={dim!r}, " if dim != self.dim else ""
+        if isinstance(in_dims, dict):
+            return prefix + "in_dims={" + ", ".join(f"{k!r}: {v!r}" for k, v in in_dims.items()) + "}"
+        return prefix + "in_dims=[" + ", ".join(map(repr, in_dims)) + "]"
 
 
 class BoundArguments:

@@ -10,6 +10,7 @@ every input before anything is copied or run. torch's hooks ``scatter``, ``repli
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import weakref
 from collections.abc import Sequence
@@ -46,6 +47,25 @@ def _scatter_records() -> weakref.WeakKeyDictionary:
     if records is None:
         records = _LAST_SCATTER.records = weakref.WeakKeyDictionary()
     return records
+
+
+def _run_by_dynamo_as_it_is(fn: Callable) -> Callable:
+    """``fn`` as ``torch.compiler.disable`` makes it: dynamo runs it as it is, a graph break in a compiled caller (a
+    call's replicas run on worker threads and are leased to the outputs' autograd graph, which tracing cannot hold:
+    docs/guides/compile-and-threads.md). Without importing dynamo (over a second, sympy included) until something
+    else has: until then nothing can be compiling."""
+    disabled: list[Callable] = []
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if "torch._dynamo" not in sys.modules:
+            return fn(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn))
+        return disabled[0](*args, **kwargs)
+
+    run._torchdynamo_disable = True  # type: ignore[attr-defined]  # (dynamo's tracer: break here, do not inline)
+    return run
 
 
 def _run_leased(lease: Lease, run: Callable[[], list]) -> list:
@@ -168,9 +188,7 @@ class DataParallel(SettingsAttributes, nn.DataParallel):
             devices=devices, output_device=s.output_device, cost=s.cost,
         )  # fmt: skip
 
-    # dynamo runs the call as it is, a graph break in a compiled caller: its replicas run on worker threads and are
-    # leased to the outputs' autograd graph, which tracing cannot hold (docs/guides/compile-and-threads.md)
-    @torch.compiler.disable
+    @_run_by_dynamo_as_it_is
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Split the call's batch over ``device_ids``, run a replica of ``module`` per chunk, and gather.
 

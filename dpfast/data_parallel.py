@@ -10,7 +10,6 @@ every input before anything is copied or run. torch's hooks ``scatter``, ``repli
 from __future__ import annotations
 
 import functools
-import sys
 import threading
 import weakref
 from collections.abc import Sequence
@@ -20,6 +19,7 @@ import torch
 from torch import nn
 
 from .ext.op_checks import DeviceLike
+from .ext.torch_compat import run_by_dynamo_as_it_is
 from .move.gather import gather_outputs
 from .move.scatter import move_tree, scatter_tree
 from .plan.batch_errors import whole_sequence_hint
@@ -47,25 +47,6 @@ def _scatter_records() -> weakref.WeakKeyDictionary:
     if records is None:
         records = _LAST_SCATTER.records = weakref.WeakKeyDictionary()
     return records
-
-
-def _run_by_dynamo_as_it_is(fn: Callable) -> Callable:
-    """``fn`` as ``torch.compiler.disable`` makes it: dynamo runs it as it is, a graph break in a compiled caller (a
-    call's replicas run on worker threads and are leased to the outputs' autograd graph, which tracing cannot hold:
-    docs/guides/compile-and-threads.md). Without importing dynamo (over a second, sympy included) until something
-    else has: until then nothing can be compiling."""
-    disabled: list[Callable] = []
-
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if "torch._dynamo" not in sys.modules:
-            return fn(*args, **kwargs)
-        if not disabled:
-            disabled.append(torch.compiler.disable(fn))
-        return disabled[0](*args, **kwargs)
-
-    run._torchdynamo_disable = True  # type: ignore[attr-defined]  # (dynamo's tracer: break here, do not inline)
-    return run
 
 
 def _run_leased(lease: Lease, run: Callable[[], list]) -> list:
@@ -173,7 +154,8 @@ class DataParallel(SettingsAttributes, nn.DataParallel):
         s = self._current_settings() if settings is None else settings
         if not s.devices:
             return passthrough_plan(forward_of(self.module), inputs, kwargs)
-        self._replicas.check_module(self.module, s.devices[0], replicated=len(s.devices) > 1)
+        own_replicas = type(self).replicate is DataParallel.replicate  # (an overridden one may copy what we refuse)
+        self._replicas.check_module(self.module, s.devices[0], own_replicas and len(s.devices) > 1)
         return self._plan_on(s.devices, inputs, kwargs, s)
 
     def _plan_on(
@@ -188,7 +170,7 @@ class DataParallel(SettingsAttributes, nn.DataParallel):
             devices=devices, output_device=s.output_device, cost=s.cost,
         )  # fmt: skip
 
-    @_run_by_dynamo_as_it_is
+    @run_by_dynamo_as_it_is
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Split the call's batch over ``device_ids``, run a replica of ``module`` per chunk, and gather.
 
@@ -253,7 +235,7 @@ class DataParallel(SettingsAttributes, nn.DataParallel):
 
     def _run_through_hooks(self, inputs: tuple, kwargs: dict) -> Any:
         """torch's forward: scatter -> replicate -> parallel_apply -> gather, for a subclass overriding any of them."""
-        own_replicas = type(self).replicate is DataParallel.replicate  # (an overridden one may copy what we refuse)
+        own_replicas = type(self).replicate is DataParallel.replicate
         self._replicas.check_module(self.module, self._devices[0], own_replicas and len(self._devices) > 1)
         args, kws = self.scatter(inputs, kwargs, self.device_ids)
         if len(self._devices) == 1:

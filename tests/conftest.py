@@ -69,6 +69,7 @@ def plan_matches_call(request, monkeypatch):
         yield
         return
     from dpfast import data_parallel
+    from dpfast.ext.torch_compat import run_by_dynamo_as_it_is
 
     real_forward = data_parallel.DataParallel.forward
     real_scatter = data_parallel.scatter_tree
@@ -107,7 +108,7 @@ def plan_matches_call(request, monkeypatch):
     monkeypatch.setattr(data_parallel, "scatter_tree", scatter_tree)
     monkeypatch.setattr(data_parallel, "run_replicas", run_replicas)
     # as the real forward is: dynamo runs the call as it is (its checks here too)
-    monkeypatch.setattr(data_parallel.DataParallel, "forward", data_parallel._run_by_dynamo_as_it_is(forward))
+    monkeypatch.setattr(data_parallel.DataParallel, "forward", run_by_dynamo_as_it_is(forward))
     yield
 
 

@@ -1,4 +1,5 @@
-"""Torch features dpfast uses that older torch releases lack, detected where they are used.
+"""Torch features dpfast uses that older torch releases lack, detected where they are used; and dynamo's disable
+without importing dynamo (:func:`run_by_dynamo_as_it_is`).
 
 Each feature missing from the running torch degrades with a warning at the moment it matters, never silently;
 README.md ("Supported torch versions") lists which torch each needs.
@@ -6,7 +7,10 @@ README.md ("Supported torch versions") lists which torch each needs.
 
 from __future__ import annotations
 
+import functools
+import sys
 import warnings
+from typing import Any, Callable
 
 import torch
 
@@ -37,3 +41,22 @@ def saved_tensors_hooks_set() -> bool:
     except RuntimeError:
         return True
     return False
+
+
+def run_by_dynamo_as_it_is(fn: Callable) -> Callable:
+    """``fn`` as ``torch.compiler.disable`` makes it: dynamo runs it as it is, a graph break in a compiled caller (a
+    call's replicas run on worker threads and are leased to the outputs' autograd graph, which tracing cannot hold:
+    docs/guides/compile-and-threads.md). Without importing dynamo (over a second, sympy included) until something
+    else has: until then nothing can be compiling."""
+    disabled: list[Callable] = []
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if "torch._dynamo" not in sys.modules:
+            return fn(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn))
+        return disabled[0](*args, **kwargs)
+
+    run._torchdynamo_disable = True  # type: ignore[attr-defined]  # (dynamo's tracer: break here, do not inline)
+    return run

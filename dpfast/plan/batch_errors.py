@@ -81,18 +81,23 @@ def _one_fix(tree: Any, culprits: set, batch: int | None, picked: Reading | None
 
 def _choices(tree: Any, listed: Sequence[Reading], vote: int | None, plans_to: PlansTo) -> list[str]:
     """Each reading's fix (those that plan the call), to choose from: which one is meant, only the user knows."""
-    lines = []
+    offered = []
     for r in listed:
         bad = {i for i, spec in r.specs.items() if spec != _leaf_spec(tree, i)}
         fixes = _fixes(tree, bad, r.batch, r.specs if r.batch != vote else None)
         if plans_to(fixes, r.batch):
-            kept = [p for p in _replicated(tree, r)]
-            note = f" (replicating {', '.join(kept)})" if kept else ""
-            lines.append(f"  B = {r.batch}: DataParallel(..., {tree.binding.suggestion(fixes)}){note}")
-    if len(lines) == 1:
-        return ["suggested fix: DataParallel(..., " + lines[0].split("DataParallel(..., ", 1)[1]]
-    head = "several sizes could be B here, so none is picked: say which with in_dims (each of these plans the call)"
-    return [head] + lines if lines else []
+            offered.append((r, tree.binding.suggestion(fixes)))
+    if not offered:
+        return ["no in_dims found that splits this call's arguments into one B: give each argument its batch axis, "
+                "None for one without, 'items' for a list of per-sample items"]  # fmt: skip
+    if len(offered) == 1:
+        return [f"suggested fix: DataParallel(..., {offered[0][1]})"]
+    lines = ["several sizes could be B here, so none is picked: say which with in_dims (each of these plans the call)"]
+    for r, text in offered:
+        replicated = _replicated(tree, r)
+        note = f" (replicating {', '.join(replicated)})" if replicated else ""
+        lines.append(f"  B = {r.batch}: DataParallel(..., {text}){note}")
+    return lines
 
 
 def _leaf_spec(tree: Any, index: int) -> Spec:

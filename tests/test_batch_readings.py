@@ -120,3 +120,25 @@ def test_the_first_fix_offered_plans_the_true_batch(data):
         if k == 0:
             assert plan.batch_size == batch
         assert b is None or plan.batch_size == b
+
+
+def test_the_fix_for_a_field_of_a_dataclass_names_that_field_only():
+    """Was: every field of the dataclass spelt out (darts' 8), where ``{'x_in': {'state': 1}}`` suffices."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Batch:
+        a: torch.Tensor
+        b: torch.Tensor
+        c: torch.Tensor
+        state: torch.Tensor
+
+    class First(nn.Module):
+        def forward(self, x_in):
+            return x_in.a
+
+    x = Batch(*[torch.randn(4, 3) for _ in range(3)], state=torch.randn(2, 4, 5))
+    [(_, fix)] = _offered(_error(dpfast.DataParallel(First(), ["cpu"] * 2), x))
+    assert fix == {"x_in": {"state": 1}}
+    out = dpfast.DataParallel(First(), ["cpu"] * 2, in_dims=fix)(x)
+    torch.testing.assert_close(out, x.a)

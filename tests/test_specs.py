@@ -257,7 +257,7 @@ class Boom(nn.Module):
             (torch.zeros(4, 3), {"a": torch.zeros(4), "b": torch.zeros(2, 4)}),
             {},
             dpfast.ScatterError,
-            r"in_dims=\{'h': \{'a': 0, 'b': 1\}\}",
+            r"in_dims=\{'h': \{'b': 1\}\}",  # ('a' under the default dim 0 needs no entry)
         ),
         (
             1,

@@ -229,7 +229,7 @@ def test_dataclass_spec_errors():
     with pytest.raises(
         dpfast.ScatterError,
         match=r"(?s)b\.mask .* \(3, 3\).*suggested fix: DataParallel\(\.\.\., "
-        r"in_dims=\{'b': \{'x': 0, 'mask': None, 'tag': None\}\}\)",
+        r"in_dims=\{'b': \{'mask': None, 'tag': None\}\}\)",  # (x under the default dim 0: no entry)
     ):
         dp(Batch(torch.randn(4, 3), torch.randn(3, 3)))
 

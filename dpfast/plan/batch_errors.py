@@ -193,7 +193,7 @@ def _fixes(tree: Any, culprits: set, batch: int | None, specs: dict[int, Spec] |
     n_pos = len(binding.pos_names)
     for a in bad_args:
         name = tree.arg_names[a]
-        spec = _suggested_spec(tree.arg_defs[a], per_arg[a], batch)
+        spec = _suggested_spec(tree.arg_defs[a], per_arg[a], batch, binding.default)
         if binding.has_signature and name == binding.var_pos and tree.n_args > n_pos:
             # *args extras: one spec per extra argument, the given ones kept
             if name not in fixes:
@@ -204,10 +204,11 @@ def _fixes(tree: Any, culprits: set, batch: int | None, specs: dict[int, Spec] |
     return {k: tuple(v) if isinstance(v, list) and k == binding.var_pos else v for k, v in fixes.items()}
 
 
-def _suggested_spec(tdef: TreeDef, leaf_specs: list[Spec], batch: int | None) -> Spec:
+def _suggested_spec(tdef: TreeDef, leaf_specs: list[Spec], batch: int | None, default: Spec) -> Spec:
     """A spec mirroring ``tdef`` with the given leaf specs, collapsed where uniform, with ``'items'`` for every
     list/tuple of ``B`` tensors whose shapes differ (per-sample tensors of different lengths: a spec per element
-    would give every replica all of them)."""
+    would give every replica all of them). A dict's, dataclass's or object's spec names only the entries whose spec
+    is not ``default`` (what an entry it does not name gets)."""
 
     def combine(node: TreeDef, children: list[tuple[Spec, bool]]) -> tuple[Spec, bool]:
         if _is_items_list(node, batch):
@@ -217,7 +218,8 @@ def _suggested_spec(tdef: TreeDef, leaf_specs: list[Spec], batch: int | None) ->
         if not items_below and all(is_leaf_spec(s) for s in specs) and len(set(map(repr, specs))) == 1:
             return specs[0], False
         if node.kind in ("dict", "dataclass", "object"):
-            return dict(zip(node.keys, specs)), items_below
+            named = {k: spec for k, spec in zip(node.keys, specs) if not (is_leaf_spec(spec) and spec == default)}
+            return (named or default), items_below
         if node.kind == "pytree" and not all(isinstance(k, int) for k in node.keys):
             return dict(zip(key_names(node.kind, node.keys), specs)), items_below
         return tuple(specs), items_below

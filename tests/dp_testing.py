@@ -148,6 +148,29 @@ def weighted_loss(out: Any) -> torch.Tensor:
     return total
 
 
+def assert_same_bits(a: Any, b: Any) -> None:
+    """Two call results equal bit for bit: the same structure and types, every tensor the same shape, dtype,
+    device, memory format and bits (a quantized one: its scheme, scale, zero point and integers)."""
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, torch.Tensor) and a.is_quantized:  # (viewing a quantized tensor's bits crashes torch)
+        assert a.shape == b.shape and a.dtype == b.dtype and a.qscheme() == b.qscheme()
+        assert (a.q_scale(), a.q_zero_point()) == (b.q_scale(), b.q_zero_point())
+        assert torch.equal(a.int_repr(), b.int_repr())
+    elif isinstance(a, torch.Tensor):
+        assert a.is_contiguous(memory_format=torch.channels_last) == b.is_contiguous(memory_format=torch.channels_last)
+        assert_bitexact(a, b, contiguous=False)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            assert_same_bits(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same_bits(x, y)
+    else:
+        assert a == b
+
+
 def assert_same(actual: Any, expected: Any) -> None:
     assert type(actual) is type(expected), (type(actual), type(expected))
     if isinstance(expected, (torch.Tensor, PackedSequence)):

@@ -15,7 +15,7 @@ from torch import nn
 
 import dpfast
 
-from dp_testing import assert_bitexact
+from dp_testing import assert_bitexact, assert_same_bits
 
 
 class Echo(nn.Module):
@@ -57,28 +57,6 @@ def _along_skeleton(dp, *args, **kwargs) -> bool:
     return programs.compiled == before
 
 
-def _same(a, b):
-    """Bit-exact equality of two results (structure, types, tensors)."""
-    assert type(a) is type(b), (type(a), type(b))
-    if isinstance(a, torch.Tensor) and a.is_quantized:  # (viewing a quantized tensor's bits crashes torch)
-        assert a.shape == b.shape and a.dtype == b.dtype and a.qscheme() == b.qscheme()
-        assert (a.q_scale(), a.q_zero_point()) == (b.q_scale(), b.q_zero_point())
-        assert torch.equal(a.int_repr(), b.int_repr())
-    elif isinstance(a, torch.Tensor):
-        assert a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
-        assert_bitexact(a, b, contiguous=False)
-    elif isinstance(a, dict):
-        assert list(a) == list(b)
-        for k in a:
-            _same(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            _same(x, y)
-    else:
-        assert a == b
-
-
 def _outcome(dp, *args, **kwargs):
     """``("ok", output, plan text)`` or ``("raised", type, message)``."""
     try:
@@ -98,7 +76,7 @@ def _like_a_fresh_wrapper(make, warm_args, args, warm_kwargs=None, kwargs=None, 
     got, want = _outcome(dp, *args, **kwargs), _outcome(make(), *args, **kwargs)
     assert got[0] == want[0], (got, want)
     if got[0] == "ok":
-        _same(got[1], want[1])
+        assert_same_bits(got[1], want[1])
         assert got[2] == want[2]
     else:
         assert got[1:] == want[1:]
@@ -124,7 +102,7 @@ def test_a_repeated_structure_is_planned_by_its_program():
     assert [(m.path, m.axis, m.size) for m in plan.mapped] == [
         (m.path, m.axis, m.size) for m in fresh.plan(value).mapped
     ]
-    _same(dp(value), fresh(value))
+    assert_same_bits(dp(value), fresh(value))
 
 
 def test_a_kept_plans_sizes_are_its_own():
@@ -138,7 +116,7 @@ def test_a_kept_plans_sizes_are_its_own():
     plan.sizes[0] = 99
     again = dp.plan(x)
     assert again.sizes == [3, 2, 2] and again.sizes is not plan.sizes
-    _same(dp(x), (x,))
+    assert_same_bits(dp(x), (x,))
 
 
 def test_mixed_leaves_and_keywords_by_the_program():
@@ -239,7 +217,7 @@ def test_a_changed_setting_is_planned_afresh(name, value):
     setattr(dp, name, value)
     fresh = _dp(**{name: value}) if name != "device_ids" else dpfast.DataParallel(Echo(), ["cpu"])
     assert str(dp.plan(value_in)) == str(fresh.plan(value_in))
-    _same(dp(value_in), fresh(value_in))
+    assert_same_bits(dp(value_in), fresh(value_in))
 
 
 def test_a_spec_changed_in_place_is_planned_afresh():
@@ -253,7 +231,7 @@ def test_a_spec_changed_in_place_is_planned_afresh():
     fresh = _dp(Scale(), in_dims={"h": 1}, out_dims={"h": 1})
     args = (x, h.transpose(0, 1).contiguous())
     assert str(dp.plan(*args)) == str(fresh.plan(*args))
-    _same(dp(*args), fresh(*args))
+    assert_same_bits(dp(*args), fresh(*args))
 
 
 def test_a_changed_forward_is_planned_afresh():
@@ -323,7 +301,7 @@ def test_changed_outputs_are_gathered_afresh(kind):
         want = _outcome(_dp(fresh), x)
     assert got[0] == want[0]
     if got[0] == "ok":
-        _same(got[1], want[1])
+        assert_same_bits(got[1], want[1])
     else:
         assert got[1:] == want[1:]
     assert [str(w.message) for w in caught] == [str(w.message) for w in fresh_caught]
@@ -344,7 +322,7 @@ def test_kept_outputs_that_need_a_leaf_of_their_own(kind):
         fresh.kind = kind
         with warnings.catch_warnings(record=True) as fresh_caught:
             warnings.simplefilter("always")
-            _same(out, _dp(fresh)(x))
+            assert_same_bits(out, _dp(fresh)(x))
         assert [str(w.message) for w in caught] == [str(w.message) for w in fresh_caught]
     assert len(dp._settings.outputs) == 1  # (the last calls were gathered by the kept program)
 
@@ -356,7 +334,7 @@ def test_out_dims_changed_in_place_is_gathered_afresh():
     dp = _dp(module, out_dims=out_dims)
     _warm(dp, x)
     out_dims["b"] = "sum"
-    _same(dp(x), _dp(module, out_dims={"a": 0, "b": "sum"})(x))
+    assert_same_bits(dp(x), _dp(module, out_dims={"a": 0, "b": "sum"})(x))
 
 
 # ---- what is kept holds no values ----------------------------------------------------------------------------------
@@ -438,7 +416,7 @@ def test_output_keys_are_gathered_afresh(keys):
         dp(x)
         _KeyedOutput.key = b
         fresh = _dp(_KeyedOutput(), out_dims={a: 1} if keys == "equal objects" else 0)
-        _same(dp(x), fresh(x))
+        assert_same_bits(dp(x), fresh(x))
     finally:
         _KeyedOutput.key = None
 
@@ -492,6 +470,6 @@ def test_each_memory_format_has_its_program():
     programs = dp._settings.specs.programs
     assert programs.compiled == 1
     for _ in range(3):
-        _same(dp(x), x)
-        _same(dp(torch.ones(4, 3, 2, 2)), torch.ones(4, 3, 2, 2))
+        assert_same_bits(dp(x), x)
+        assert_same_bits(dp(torch.ones(4, 3, 2, 2)), torch.ones(4, 3, 2, 2))
     assert programs.compiled == 2

@@ -21,7 +21,7 @@ from dpfast.distributed.inputs import cut_rows
 from dpfast.plan.call_plan import plan_call
 from dpfast.trees.binding import Binding
 
-from dp_testing import assert_bitexact
+from dp_testing import assert_same_bits
 
 
 class Echo(nn.Module):
@@ -108,24 +108,6 @@ def _planned_call(dp: dpfast.DataParallel, args: tuple, kwargs: dict) -> tuple:
     return str(dp.plan(*args, **kwargs)), dp(*args, **kwargs)
 
 
-def _same(a, b):
-    assert type(a) is type(b), (type(a), type(b))
-    if isinstance(a, torch.Tensor):
-        assert a.shape == b.shape and a.dtype == b.dtype
-        assert a.is_contiguous(memory_format=torch.channels_last) == b.is_contiguous(memory_format=torch.channels_last)
-        assert_bitexact(a, b, contiguous=False)
-    elif isinstance(a, dict):
-        assert list(a) == list(b)
-        for k in a:
-            _same(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            _same(x, y)
-    else:
-        assert a == b
-
-
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(calls, changes), min_size=2, max_size=10))
 def test_a_warmed_data_parallel_is_a_fresh_one(sequence):
@@ -139,7 +121,7 @@ def test_a_warmed_data_parallel_is_a_fresh_one(sequence):
         assert got[0] == want[0], (step, got, want)
         if got[0] == "ok":
             assert got[1][0] == want[1][0], step
-            _same(got[1][1], want[1][1])
+            assert_same_bits(got[1][1], want[1][1])
         else:
             assert got[1:] == want[1:], step
 
@@ -171,4 +153,4 @@ def test_a_warmed_binding_plans_cuts_and_records_as_a_fresh_one(sequence, world,
         if mine.mode == "split":
             for part in range(parts):
                 start, stop = mine.share(part)
-                _same(cut_rows(mine, start, stop - start), cut_rows(theirs, start, stop - start))
+                assert_same_bits(cut_rows(mine, start, stop - start), cut_rows(theirs, start, stop - start))

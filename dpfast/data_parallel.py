@@ -142,7 +142,7 @@ class DataParallel(SettingsAttributes, nn.DataParallel):
         check_given_device_ids(device_ids)
         values = dict(zip(NAMES, (device_ids, output_device, dim, in_dims, out_dims, chunk_sizes, cost)))
         self._use(Settings(module, values))
-        if len(self._settings.devices) > 1 and type(self).replicate is DataParallel.replicate:
+        if self._copies_module(self._settings.devices):
             refuse_unreplicable(module)  # (plan() and the call raise it too, for a module compiled later)
         if len(self._settings.devices) == 1:
             self.module.to(self._settings.devices[0])  # as torch does for a single device
@@ -154,9 +154,13 @@ class DataParallel(SettingsAttributes, nn.DataParallel):
         s = self._current_settings() if settings is None else settings
         if not s.devices:
             return passthrough_plan(forward_of(self.module), inputs, kwargs)
-        own_replicas = type(self).replicate is DataParallel.replicate  # (an overridden one may copy what we refuse)
-        self._replicas.check_module(self.module, s.devices[0], own_replicas and len(s.devices) > 1)
+        self._replicas.check_module(self.module, s.devices[0], self._copies_module(s.devices))
         return self._plan_on(s.devices, inputs, kwargs, s)
+
+    def _copies_module(self, devices: Sequence[torch.device]) -> bool:
+        """Whether a call over ``devices`` copies the module into dpfast's replicas (a subclass overriding
+        ``replicate()`` makes its own, and decides what it can copy)."""
+        return len(devices) > 1 and type(self).replicate is DataParallel.replicate
 
     def _plan_on(
         self, devices: list[torch.device], inputs: tuple, kwargs: dict, settings: Settings | None = None
@@ -235,8 +239,7 @@ class DataParallel(SettingsAttributes, nn.DataParallel):
 
     def _run_through_hooks(self, inputs: tuple, kwargs: dict) -> Any:
         """torch's forward: scatter -> replicate -> parallel_apply -> gather, for a subclass overriding any of them."""
-        own_replicas = type(self).replicate is DataParallel.replicate
-        self._replicas.check_module(self.module, self._devices[0], own_replicas and len(self._devices) > 1)
+        self._replicas.check_module(self.module, self._devices[0], self._copies_module(self._devices))
         args, kws = self.scatter(inputs, kwargs, self.device_ids)
         if len(self._devices) == 1:
             return self.module(*args[0], **kws[0])

@@ -83,7 +83,7 @@ def _choices(tree: Any, listed: Sequence[Reading], vote: int | None, plans_to: P
     """Each reading's fix (those that plan the call), to choose from: which one is meant, only the user knows."""
     offered = []
     for r in listed:
-        bad = {i for i, spec in r.specs.items() if spec != _leaf_spec(tree, i)}
+        bad = {i for i, spec in r.specs.items() if spec != tree.leaves[i].spec}
         fixes = _fixes(tree, bad, r.batch, r.specs if r.batch != vote else None)
         if plans_to(fixes, r.batch):
             offered.append((r, tree.binding.suggestion(fixes)))
@@ -98,10 +98,6 @@ def _choices(tree: Any, listed: Sequence[Reading], vote: int | None, plans_to: P
         note = f" (replicating {', '.join(replicated)})" if replicated else ""
         lines.append(f"  B = {r.batch}: DataParallel(..., {text}){note}")
     return lines
-
-
-def _leaf_spec(tree: Any, index: int) -> Spec:
-    return tree.leaves[index].spec
 
 
 def _replicated(tree: Any, r: Reading) -> list[str]:

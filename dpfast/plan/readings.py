@@ -42,7 +42,12 @@ def _spec_for(leaf: Leaf, size: int) -> Spec:
         return None  # (items and sequences are split by position: their size is what it is)
     if v.is_nested:
         return 0 if v.size(0) == size else None
-    return next((ax for ax in (0, 1)[: 1 if v.dim() < 3 else 2] if v.shape[ax] == size), None)
+    return next((ax for ax in _batch_axes(v) if v.shape[ax] == size), None)
+
+
+def _batch_axes(v: Tensor) -> tuple[int, ...]:
+    """Where a tensor's batch may be: axis 0, and for 3 dims or more axis 1."""
+    return (0, 1) if v.dim() >= 3 else (0,) if v.dim() else ()
 
 
 def _candidates(mapped: Sequence[Leaf]) -> list[int]:
@@ -51,7 +56,7 @@ def _candidates(mapped: Sequence[Leaf]) -> list[int]:
         v = leaf.value
         found = [leaf.size] if leaf.size is not None else []
         if isinstance(v, Tensor) and not v.is_nested and not (leaf.is_items or leaf.is_packed):
-            found += [v.shape[ax] for ax in (0, 1)[: 1 if v.dim() < 3 else 2] if ax < v.dim()]
+            found += [v.shape[ax] for ax in _batch_axes(v)]
         sizes += [s for s in dict.fromkeys(found) if s > 0 and s not in sizes]
     return sizes
 

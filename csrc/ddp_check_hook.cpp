@@ -206,7 +206,15 @@ class CheckHook final : public c10d::CommHookInterface {
     at::Tensor full = buffer_for(*s_, n + s_->world * k, buf.options());
     full.narrow(0, n, s_->world * k).copy_(e.mine);
     at::Tensor head = full.narrow(0, 0, n);
-    at::mul_out(head, buf, at::native::wrapped_scalar_tensor(scale));  // the reducer's own call
+    // backward(create_graph=True): the gradients have a graph; scaled in place as the reducer does, they keep it
+    const bool graph = buf.requires_grad();
+    if (graph) {
+      buf.mul_(scale);
+      at::NoGradGuard no_grad;
+      head.copy_(buf);
+    } else {
+      at::mul_out(head, buf, at::native::wrapped_scalar_tensor(scale));  // the reducer's own call
+    }
     std::vector<at::Tensor> tensors{full};
     auto done = s_->group->allreduce(tensors)->getFuture();
     {
@@ -216,10 +224,15 @@ class CheckHook final : public c10d::CommHookInterface {
     }
     queue_read_after_backward();
     // a failed all-reduce (a peer gone) fails the bucket, as the reducer's own would: never local gradients
+    at::Tensor target = graph ? buf : at::Tensor();
     return done->then(
-        [head](c10::ivalue::Future& f) {
+        [head, target](c10::ivalue::Future& f) {
           if (f.hasError()) std::rethrow_exception(f.exception_ptr());
-          return c10::IValue(head);
+          if (!target.defined()) return c10::IValue(head);
+          at::NoGradGuard no_grad;
+          at::Tensor into = target;  // the bucket, its graph kept, holding the summed values
+          into.copy_(head);
+          return c10::IValue(into);
         },
         c10::TensorType::get());
   }
@@ -293,13 +306,19 @@ PyObject* ddp_check_install(PyObject*, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
-// _ddp_check_delegate(state, hook): from now on every bucket goes through the Python hook `hook(None, bucket)`
+// _ddp_check_delegate(state, hook): from now on every bucket goes through the Python hook `hook(None, bucket)`;
+// `hook` None: through this C++ hook again
 PyObject* ddp_check_delegate(PyObject*, PyObject* args) {
   HANDLE_TH_ERRORS
   PyObject *capsule, *hook;
   if (!PyArg_ParseTuple(args, "OO", &capsule, &hook)) return nullptr;
   auto* s = state_of(capsule);
   if (s == nullptr) return nullptr;
+  if (hook == Py_None) {
+    std::lock_guard<std::mutex> lock((*s)->mu);
+    (*s)->delegate.reset();
+    Py_RETURN_NONE;
+  }
   auto delegate = std::make_shared<c10d::PythonCommHook>(pybind11::none(),
                                                          pybind11::reinterpret_borrow<pybind11::object>(hook));
   std::lock_guard<std::mutex> lock((*s)->mu);

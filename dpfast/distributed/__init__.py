@@ -12,7 +12,7 @@ run their part), ``sampler``, and ``module`` (the DDP subclass).
 
 from __future__ import annotations
 
-from .agreement import DistributedBatchError
+from .disagreement import DistributedBatchError
 from .inputs import Share, shard_batch, shard_dataset, shard_range
 from .module import DistributedDataParallel
 from .sampler import BalancedBatchSampler

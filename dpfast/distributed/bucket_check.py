@@ -29,10 +29,11 @@ import torch
 import torch.distributed as dist
 
 from ..ext.loader import C as _C
-from .agreement import OK
+from .disagreement import JOINED, OK
 from .group import RankGroup
 
 _MASK64 = (1 << 64) - 1
+HOOK_ONCE = "register_comm_hook or register_builtin_comm_hook can only be called once."  # torch's reducer's words
 
 
 def _piece_bits(dtype: torch.dtype) -> int:
@@ -81,6 +82,10 @@ class BucketCheck:
         self.verify = verify
         self.agreed = agreed  # every rank's row is this rank's, which says OK: verify's outcome, without decoding
         self.user_hook: tuple[Any, Callable] | None = None
+        # join(): this rank's inputs ran out (it shadows the others' buckets with zeros); and, with
+        # divide_by_initial_world_size=False, gradients are averaged over the ranks that have not joined
+        self.joined = False
+        self.divide_by_active = False
         # (all-reduced buffer, table offset, bits, work to wait for or None, the table if every rank agrees)
         self._pending: tuple[torch.Tensor, int, int, Any, torch.Tensor | None] | None = None
         # CUDA: (pinned table, event, bits, the table if every rank agrees)
@@ -91,23 +96,46 @@ class BucketCheck:
         self._last_row: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
 
     def hook(self, state, bucket):  # unannotated: DDP checks annotations, and these would be strings here
-        """The comm hook: the first bucket carries the table; the others are DDP's default (or the user's)."""
-        if bucket.index() != 0:
-            if self.user_hook is not None:
-                return self.user_hook[1](self.user_hook[0], bucket)
-            buf = bucket.buffer().mul_(1.0 / self.group.world)
-            fut = dist.all_reduce(buf, group=self.group.process_group, async_op=True).get_future()
-            return fut.then(lambda f: f.value()[0])
-        if self.user_hook is not None:
-            return self._beside_user_hook(bucket)
+        """The comm hook: the first bucket carries the table; the others are DDP's default (or the user's).
+        A sparse first bucket (``nn.Embedding(sparse=True)``) and a user's hook leave the bucket as it is: the
+        table then takes an all-reduce of its own."""
         buf = bucket.buffer()
-        n, bits = buf.numel(), _piece_bits(buf.dtype)
+        if bucket.index() == 0:
+            if self.user_hook is None and not buf.is_sparse:
+                return self._with_table(buf)
+            self._table_alone(buf)
+        if self.user_hook is not None:
+            return self.user_hook[1](self.user_hook[0], bucket)
+        if self.divide_by_active and not buf.is_sparse:
+            with torch.no_grad():
+                full = torch.cat([buf, buf.new_full((1,), 0.0 if self.joined else 1.0)])  # + this rank's count
+            fut = dist.all_reduce(full, group=self.group.process_group, async_op=True).get_future()
+            return fut.then(lambda f: _sum_over_count(f.value()[0]))
+        # as DDP's reducer (bit for bit): times 1 / W, a sparse bucket divided by W; in place (a graph's step too)
+        buf.div_(self.group.world) if buf.is_sparse else buf.mul_(1.0 / self.group.world)
+        fut = dist.all_reduce(buf, group=self.group.process_group, async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0])
+
+    def _with_table(self, buf: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        """The first bucket's gradients with the table after them, in one all-reduce."""
+        n, bits, w = buf.numel(), _piece_bits(buf.dtype), self.group.world
         full = self._table(n, buf.dtype, buf.device, bits)
-        torch.mul(buf, 1.0 / self.group.world, out=full[:n])  # as DDP's reducer: times 1 / W, then sum
+        graph = buf.requires_grad  # backward(create_graph=True): scaled in place as the reducer does, for its graph
+        if graph:
+            buf.mul_(1.0 / w)
+        with torch.no_grad():
+            if self.divide_by_active or graph:  # join(divide_by_initial_world_size=False): over the active ranks
+                full[:n].copy_(buf)
+            else:
+                torch.mul(buf, 1.0 / w, out=full[:n])  # as DDP's reducer: times 1 / W, then sum
         fut = dist.all_reduce(full, group=self.group.process_group, async_op=True).get_future()
         self._pending = (full, n, bits, None, self._agreeing())  # the reducer waits for fut before the read
         self._read_after_backward()
-        return fut.then(lambda f: f.value()[0][:n])
+        if graph:
+            return fut.then(lambda f: _copied_into(buf, f.value()[0][:n]))
+        if not self.divide_by_active:
+            return fut.then(lambda f: f.value()[0][:n])
+        return fut.then(lambda f: _over_active(f.value()[0], n, w, _row_width(bits)))
 
     def _table(self, n: int, dtype: torch.dtype, device: torch.device, bits: int) -> torch.Tensor:
         """``n`` elements for the gradients, then the table with this rank's row filled in. The buffer is kept
@@ -142,15 +170,13 @@ class BucketCheck:
         """The table every rank's sum holds when each sent this rank's row (None when it does not say OK)."""
         return None if self._last_row is None else self._last_row[2]
 
-    def _beside_user_hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        state, hook = self.user_hook  # type: ignore[misc]
-        buf = bucket.buffer()
+    def _table_alone(self, buf: torch.Tensor) -> None:
+        """The table in an all-reduce of its own, beside the first bucket's (a user's hook, a sparse bucket)."""
         bits = _piece_bits(buf.dtype)
         table = self._table(0, buf.dtype, buf.device, bits)
         work = dist.all_reduce(table, group=self.group.process_group, async_op=True)
         self._pending = (table, 0, bits, work, self._agreeing())
         self._read_after_backward()
-        return hook(state, bucket)
 
     def _read_after_backward(self) -> None:
         """Read the table once DDP's reducer has finished the backward: a callback queued now runs before the
@@ -198,15 +224,41 @@ class BucketCheck:
     def set_user_hook(self, state: object, hook: Callable) -> None:
         """The user's ``hook(state, bucket)`` communicates every bucket from now on (once: torch allows one)."""
         if self.user_hook is not None:
-            raise RuntimeError("register_comm_hook can only be called once")
+            raise RuntimeError(HOOK_ONCE)
         self.user_hook = (state, hook)
+
+    def average_over_active(self, on: bool) -> None:
+        """join(divide_by_initial_world_size=False): average the gradients over the ranks that have not joined."""
+        self.divide_by_active = on
+
+
+def _copied_into(buf: torch.Tensor, summed: torch.Tensor) -> torch.Tensor:
+    """``buf`` holding the summed values, its graph kept: as the reducer's in-place all-reduce leaves it."""
+    with torch.no_grad():
+        return buf.copy_(summed)
+
+
+def _sum_over_count(full: torch.Tensor) -> torch.Tensor:
+    """A bucket summed over the ranks with their count last: the gradients' mean over the ranks that sent 1."""
+    return full[:-1].div_(full[-1])
+
+
+def _over_active(full: torch.Tensor, n: int, world: int, k: int) -> torch.Tensor:
+    """The first bucket's summed gradients over the ranks whose table row is not JOINED (on the device: no sync)."""
+    active = (full[n:].view(world, k)[:, 0] != JOINED).sum()
+    return full[:n].div_(active)
+
+
+def _sparse_gradients(module: torch.nn.Module) -> bool:
+    """Whether DDP gives ``module`` sparse gradient buckets (as its reducer decides it)."""
+    return any(isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse for m in module.modules())
 
 
 def native_hook_available(module: torch.nn.Module, group: RankGroup) -> bool:
-    """The C++ hook takes CPU buckets: a module whose parameters are all on the CPU, talking over the CPU."""
+    """The C++ hook takes dense CPU buckets: a module whose parameters are all on the CPU, talking over the CPU."""
     if _C is None or not hasattr(_C, "_ddp_check_install") or group.comm_device.type != "cpu":
         return False
-    return all(p.device.type == "cpu" for p in module.parameters())
+    return all(p.device.type == "cpu" for p in module.parameters()) and not _sparse_gradients(module)
 
 
 class NativeBucketCheck:
@@ -239,6 +291,24 @@ class NativeBucketCheck:
         """As :meth:`BucketCheck.set_user_hook`; the C++ hook hands every bucket to the Python one from now on."""
         self._python.set_user_hook(state, hook)
         _C._ddp_check_delegate(self._state, self._python.hook)
+
+    @property
+    def divide_by_active(self) -> bool:
+        return self._python.divide_by_active
+
+    @property
+    def joined(self) -> bool:
+        return self._python.joined
+
+    @joined.setter
+    def joined(self, value: bool) -> None:
+        self._python.joined = value
+
+    def average_over_active(self, on: bool) -> None:
+        """As :meth:`BucketCheck.average_over_active`, by the Python hook while it is on."""
+        self._python.average_over_active(on)
+        if self._python.user_hook is None:
+            _C._ddp_check_delegate(self._state, self._python.hook if on else None)
 
     def read(self) -> None:
         """Check a table no backward's end read (DDP's shadow of a backward runs the hook outside one)."""

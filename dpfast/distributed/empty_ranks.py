@@ -33,7 +33,8 @@ from ..run.collectives import all_gather, all_reduce, observe_process_group_coll
 from ..trees.flatten import unflatten
 from ..trees.specs import Leaf, Spec
 from ..trees.walk import walk
-from .agreement import EMPTY_REFUSED, GHOST_COUNTED, OK, DistributedBatchError, StepRecord, error_line
+from .agreement import StepRecord
+from .disagreement import EMPTY_REFUSED, GHOST_COUNTED, OK, DistributedBatchError, error_line
 
 Entry = tuple  # (kind, dim or op, shape, dtype, device) of one collective
 
@@ -228,7 +229,7 @@ class EmptyRankSteps:
         in_forward = bool(self._checks.trace) or bool(log is not None and log.entries)
         if self.gather_outputs:
             self._gather(None, failed=True)
-        elif not torch.is_grad_enabled() or in_forward:  # where the others check (see _finish)
+        elif (not torch.is_grad_enabled() or in_forward) and not self._join_config.enable:  # as _finish does
             self._checks.check_now()
         elif self.require_backward_grad_sync:
             if self._checks.sizes_exchanged:

@@ -33,23 +33,16 @@ from torch.distributed.utils import _to_kwargs
 from ..plan.call_plan import CallPlan, plan_call
 from ..plan.errors import ScatterError
 from ..trees.specs import Spec
-from .agreement import (
-    EMPTY_REFUSED,
-    GHOST_COUNTED,
-    MODULE_RAISED,
-    OK,
-    StepChecks,
-    StepRecord,
-    describe_step,
-    step_record,
-)
+from .agreement import StepChecks, StepRecord, describe_step, step_record
 from .bucket_check import BucketCheck, NativeBucketCheck, native_hook_available
+from .disagreement import EMPTY_REFUSED, GHOST_COUNTED, MODULE_RAISED, OK
 from .empty_ranks import CollectiveLog, EmptyRankSteps, EmptyShare, _ShareRefused, replay
 from .group import RankGroup
 from .inputs import Share, per_rank_share, rank_call, through_input_grads
 from .output_layout import ExchangeLayouts
 from .outputs import OutputsCall, gather_across_ranks
-from .settings import FIXED, agree_on_settings, check_settings, describe_settings
+from .settings import FIXED, agree_on_settings, check_settings, describe_settings, torch_ddp_kwargs
+from .torch_ddp_methods import TorchDDPMethods
 
 # the names torch's DistributedDataParallel.forward uses: the steps _ddp_forward copies, and the label
 # fmt: off
@@ -78,20 +71,22 @@ class _CallState:
     exchange: ExchangeLayouts = dataclasses.field(default_factory=ExchangeLayouts)  # gather_outputs' capacity, layouts
 
 
-class DistributedDataParallel(EmptyRankSteps, nn.parallel.DistributedDataParallel):
+class DistributedDataParallel(TorchDDPMethods, EmptyRankSteps, nn.parallel.DistributedDataParallel):
     """``torch.nn.parallel.DistributedDataParallel`` with dpfast's ``in_dims``/``out_dims``.
 
     Args:
         module: the module to train, as for torch's DDP.
         device_ids: as for torch's DDP: one device per process, ``[local_rank]`` on GPUs, ``None`` on the CPU.
         output_device: as for torch's DDP.
+        dim: as for :class:`dpfast.DataParallel` (and in torch's place, so torch's positional arguments fit).
+        *torch_args: torch DDP's arguments after ``dim`` by position (``broadcast_buffers``, ``init_sync``,
+            ``process_group``, ...), as its constructor takes them.
         inputs: ``"global"`` (default): every rank is given the same global batch and keeps its rows, by the plan
             ``DataParallel`` makes over ``world_size`` devices. ``"per_rank"``: every rank passes only its own rows
             (a share from :func:`~dpfast.distributed.shard_batch`, a
             :class:`~dpfast.distributed.BalancedBatchSampler`, any per-rank loader); shares may differ in size.
         in_dims: as for :class:`dpfast.DataParallel`.
         out_dims: as for :class:`dpfast.DataParallel`.
-        dim: as for :class:`dpfast.DataParallel`.
         chunk_sizes: as for :class:`dpfast.DataParallel`, with ranks in place of devices (``inputs="global"`` only):
             one relative weight per rank.
         cost: as for :class:`dpfast.DataParallel`, with ranks in place of devices (``inputs="global"`` only): it
@@ -105,8 +100,8 @@ class DistributedDataParallel(EmptyRankSteps, nn.parallel.DistributedDataParalle
             step runs anyway: the output all-gather with ``gather_outputs``, else DDP's first gradient bucket (a
             mismatch then raises from ``backward()``); under ``torch.no_grad()`` without ``gather_outputs``, and on
             the first call, one small all-gather. ``"values"`` also compares a hash of the split tensors' bytes (a
-            device-to-host copy); ``False`` skips it (needed with ``join()``, where joined ranks stop calling
-            forward).
+            device-to-host copy); ``False`` skips it. Under ``join()`` a joined rank's part is not compared, and
+            the first call is checked with its backward.
         **ddp_kwargs: passed to torch's DDP (``process_group``, ``find_unused_parameters``, ``static_graph``,
             ``broadcast_buffers``, ``bucket_cap_mb``, ...).
 
@@ -126,17 +121,18 @@ class DistributedDataParallel(EmptyRankSteps, nn.parallel.DistributedDataParalle
         module: nn.Module,
         device_ids: Sequence[Any] | None = None,
         output_device: Any = None,
-        *,
+        dim: int = 0,
+        *torch_args: Any,
         inputs: str = "global",
         in_dims: Any = None,
         out_dims: Spec = None,
-        dim: int = 0,
         chunk_sizes: Sequence[float] | None = None,
         cost: Any = None,
         gather_outputs: bool = False,
         check_batch: Any = True,
         **ddp_kwargs: Any,
     ) -> None:
+        ddp_kwargs = torch_ddp_kwargs(torch_args, ddp_kwargs)
         values = dict(inputs=inputs, in_dims=in_dims, out_dims=out_dims, dim=dim, chunk_sizes=chunk_sizes)
         values.update(cost=cost, gather_outputs=bool(gather_outputs), check_batch=check_batch)
         ready = dist.is_available() and dist.is_initialized()
@@ -158,22 +154,29 @@ class DistributedDataParallel(EmptyRankSteps, nn.parallel.DistributedDataParalle
         for name in FIXED:
             setattr(self, name, values[name])
         self._specs, self._cost, self._weights = specs, cost_spec, weights
+        self._install_checks()
+        self._settings_fixed = True
+
+    def _install_checks(self) -> None:
+        """This process's ranks and the step's check on DDP's reducer (again after unpickling, on a new one)."""
         self._rank, self._world = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
         backend = str(dist.get_backend(self.process_group)).lower()
         comm = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
         self._group = RankGroup(self.process_group, self._rank, self._world, comm)
-        self._checks = StepChecks(self._group, enabled=bool(check_batch))
+        self._checks = StepChecks(self._group, enabled=bool(self.check_batch))
         self._bucket_check: BucketCheck | NativeBucketCheck | None = None
-        if check_batch and not self.gather_outputs:
+        if self.check_batch and not self.gather_outputs:
             c = self._checks
-            # torch's Python reducer (compiled autograd) reads only the hooks registered through Python
-            if not getattr(self, "_use_python_reducer", False) and native_hook_available(self.module, self._group):
+            python_reducer = getattr(self, "_use_python_reducer", False)  # compiled autograd: Python hooks only
+            if not python_reducer and native_hook_available(self.module, self._group):
                 self._bucket_check = NativeBucketCheck(self.reducer, self._group, c.row, c.verify, c.agreed)
             else:
                 self._bucket_check = BucketCheck(self._group, c.row, c.verify, c.agreed)
-                super().register_comm_hook(None, self._bucket_check.hook)
+                if python_reducer:  # it reads the hooks torch's register_comm_hook lists
+                    nn.parallel.DistributedDataParallel.register_comm_hook(self, None, self._bucket_check.hook)
+                else:  # not as the user's hook: torch's bookkeeping (the logged hook name) stays the user's
+                    dist._register_comm_hook(self.reducer, None, self._bucket_check.hook)
         self._call = _CallState()
-        self._settings_fixed = True
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in FIXED and self.__dict__.get("_settings_fixed"):
@@ -236,9 +239,10 @@ class DistributedDataParallel(EmptyRankSteps, nn.parallel.DistributedDataParalle
         """
         if self._bucket_check is not None:
             self._bucket_check.read_deferred()  # CUDA: the last backward's check
+        joining = self._sync_join_mode()
         plan, error = self._plan(inputs, kwargs)
         record = self._record(plan, error)
-        self._checks.begin(record)  # the first call is checked here, before anything runs (raises on every rank)
+        self._checks.begin(record, joining)  # the first call is checked here, before anything runs (on every rank)
         if error is not None:
             if not self.check_batch:
                 raise error
@@ -289,6 +293,8 @@ class DistributedDataParallel(EmptyRankSteps, nn.parallel.DistributedDataParalle
         """The step's check where a collective carries it, then the outputs (gathered, with gather_outputs)."""
         if self.gather_outputs:
             return self._gather(outputs, failed=False)
+        if self._join_config.enable:
+            return outputs  # a joined rank shadows no check in forward: the first bucket carries it
         if not torch.is_grad_enabled() or (self._call.log is not None and self._call.log.entries):
             # no collective follows a no_grad forward; and after collectives in forward, the backward runs their
             # adjoints, which a rank that cannot run its module could not issue: check now, before any backward
@@ -338,47 +344,6 @@ class DistributedDataParallel(EmptyRankSteps, nn.parallel.DistributedDataParalle
         if self._delay_all_reduce_all_params:
             return self._post_forward(self.module.forward(*args, **kwargs))
         return self._post_forward(self._run_ddp_forward(*args, **kwargs))
-
-    def register_comm_hook(self, state: object, hook: Any) -> None:
-        """torch's ``register_comm_hook``: ``hook`` communicates every gradient bucket.
-
-        With the checks on (and no ``gather_outputs``) the step's check rides in the first bucket: ``hook`` still
-        runs on every bucket, and the check's table takes one small all-reduce beside the first bucket's.
-
-        Args:
-            state: passed to ``hook`` with each bucket, as in torch.
-            hook: ``hook(state, bucket) -> Future``, as in torch.
-
-        Raises:
-            RuntimeError: a hook was registered already (torch allows one).
-        """
-        if self._bucket_check is None:
-            return super().register_comm_hook(state, hook)
-        self._check_comm_hook(hook)
-        self._bucket_check.set_user_hook(state, hook)
-
-    def join(self, *args: Any, **kwargs: Any) -> Any:
-        """torch's ``join()`` context manager, for ranks whose inputs run out at different steps.
-
-        Args:
-            *args: torch's ``join`` arguments (``divide_by_initial_world_size``, ``enable``,
-                ``throw_on_early_termination``).
-            **kwargs: the same, by keyword.
-
-        Returns:
-            torch's join context manager.
-
-        Raises:
-            ValueError: the wrapper was built with ``check_batch`` or ``gather_outputs``: both make every forward a
-                collective, which joined ranks no longer call.
-        """
-        if self.check_batch or self.gather_outputs:
-            raise ValueError(
-                "DistributedDataParallel.join() lets ranks stop calling forward, but with check_batch or "
-                "gather_outputs every forward is a collective: build the wrapper with check_batch=False and "
-                "gather_outputs=False to use join()"
-            )
-        return super().join(*args, **kwargs)
 
     def extra_repr(self) -> str:
         """The settings ``repr()`` shows: the world size and what differs from the defaults.

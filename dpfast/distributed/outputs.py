@@ -28,7 +28,8 @@ from ..trees.containers import LEAF
 from ..trees.facts import memory_order
 from ..trees.flatten import unflatten
 from ..trees.specs import Spec
-from .agreement import NAME, DistributedBatchError, error_line, fingerprint
+from .agreement import fingerprint
+from .disagreement import NAME, DistributedBatchError, error_line
 from .group import RankGroup
 from .output_adjoint import Exchange, GatheredOutputs
 from .output_layout import ExchangeLayouts, OutputLayout, Placement, SortedOutputs, aligned

@@ -9,6 +9,7 @@ are fixed afterwards: assigning one raises.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,11 +19,28 @@ from torch import nn
 from ..plan.costs import CostSource
 from ..trees.binding import Binding, forward_of
 from ..trees.specs import validate_spec
-from .agreement import NAME, DistributedBatchError
+from .disagreement import NAME, DistributedBatchError
 from .group import rank_weights
 
 FIXED = ("inputs", "in_dims", "out_dims", "dim", "chunk_sizes", "cost", "gather_outputs", "check_batch")
 INPUTS = ("global", "per_rank")
+# torch DDP's parameters after (module, device_ids, output_device, dim), in its order: they may come by position
+_TORCH_AFTER_DIM = tuple(inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters)[5:]
+
+
+def torch_ddp_kwargs(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """torch DDP's arguments after ``dim``, given by position as its constructor takes them, by name."""
+    if len(args) > len(_TORCH_AFTER_DIM):
+        raise TypeError(
+            f"{NAME} takes at most {4 + len(_TORCH_AFTER_DIM)} positional arguments after the module, as torch's "
+            f"DistributedDataParallel does ({4 + len(args)} were given); pass dpfast's own settings (inputs, "
+            "in_dims, out_dims, ...) by name"
+        )
+    named = dict(zip(_TORCH_AFTER_DIM, args))
+    twice = sorted(named.keys() & kwargs.keys())
+    if twice:
+        raise TypeError(f"{NAME} got two values for {twice[0]!r}: pass it by position or by name, not both")
+    return {**named, **kwargs}
 
 
 def _text(value: Any) -> str:

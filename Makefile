@@ -7,7 +7,7 @@ export TORCH_CUDA_ARCH_LIST ?= 9.0
 export DPFAST_CUDA ?= auto
 PYTEST_ARGS ?=
 
-.PHONY: all venv build test lint sanitize demo bench info dist clean
+.PHONY: all venv build test lint sanitize demo bench info dist clean torch-ddp-suite
 
 all: test
 
@@ -62,6 +62,11 @@ sanitize: venv
 
 demo: build
 	$(PY) -m dpfast demo
+
+# torch's own DDP tests (installed with torch) against torch's DDP and dpfast's drop-in, on the CPU over 2 gloo
+# ranks: every DDP test, to see which torch passes here (the suite's test runs the ones it does, tests/torch_ddp_suite.py)
+torch-ddp-suite: build
+	$(PY) tests/torch_ddp_suite.py --all
 
 bench: build
 	$(PY) -m dpfast bench

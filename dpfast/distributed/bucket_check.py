@@ -82,9 +82,7 @@ class BucketCheck:
         self.verify = verify
         self.agreed = agreed  # every rank's row is this rank's, which says OK: verify's outcome, without decoding
         self.user_hook: tuple[Any, Callable] | None = None
-        # join(): this rank's inputs ran out (it shadows the others' buckets with zeros); and, with
-        # divide_by_initial_world_size=False, gradients are averaged over the ranks that have not joined
-        self.joined = False
+        # join(divide_by_initial_world_size=False): gradients are averaged over the ranks that have not joined
         self.divide_by_active = False
         # (all-reduced buffer, table offset, bits, work to wait for or None, the table if every rank agrees)
         self._pending: tuple[torch.Tensor, int, int, Any, torch.Tensor | None] | None = None
@@ -108,7 +106,8 @@ class BucketCheck:
             return self.user_hook[1](self.user_hook[0], bucket)
         if self.divide_by_active and not buf.is_sparse:
             with torch.no_grad():
-                full = torch.cat([buf, buf.new_full((1,), 0.0 if self.joined else 1.0)])  # + this rank's count
+                running = 0.0 if self.row()[0] == JOINED else 1.0  # a joined rank shadows the bucket with zeros
+                full = torch.cat([buf, buf.new_full((1,), running)])  # + this rank's count
             fut = dist.all_reduce(full, group=self.group.process_group, async_op=True).get_future()
             return fut.then(lambda f: _sum_over_count(f.value()[0]))
         # as DDP's reducer (bit for bit): times 1 / W, a sparse bucket divided by W; in place (a graph's step too)
@@ -292,20 +291,10 @@ class NativeBucketCheck:
         self._python.set_user_hook(state, hook)
         _C._ddp_check_delegate(self._state, self._python.hook)
 
-    @property
-    def divide_by_active(self) -> bool:
-        return self._python.divide_by_active
-
-    @property
-    def joined(self) -> bool:
-        return self._python.joined
-
-    @joined.setter
-    def joined(self, value: bool) -> None:
-        self._python.joined = value
-
     def average_over_active(self, on: bool) -> None:
         """As :meth:`BucketCheck.average_over_active`, by the Python hook while it is on."""
+        if on == self._python.divide_by_active:
+            return
         self._python.average_over_active(on)
         if self._python.user_hook is None:
             _C._ddp_check_delegate(self._state, self._python.hook if on else None)

@@ -29,10 +29,9 @@ class _CheckedJoinHook(JoinHook):
 
     def main_hook(self) -> None:
         ddp = self.ddp
-        ddp._checks.joined = True
+        ddp._checks.joined = True  # the check's hook sends a JOINED row (and, averaging over the active, a 0)
         check = ddp._bucket_check
         if check is not None:
-            check.joined = True
             check.average_over_active(not ddp._divide_by_initial_world_size)
         self.torch_hook.main_hook()
         if check is not None:
@@ -43,8 +42,6 @@ class _CheckedJoinHook(JoinHook):
         ddp = self.ddp
         ddp._checks.joined = False
         ddp._checks.records = []  # forwards the other ranks compared without this rank's
-        if ddp._bucket_check is not None:
-            ddp._bucket_check.joined = False
 
 
 class TorchDDPMethods:
@@ -146,9 +143,6 @@ class TorchDDPMethods:
         """Whether a join() context governs this forward (torch keeps it on after the context ends, as DDP does);
         with divide_by_initial_world_size=False the check's hook averages over the ranks that have not joined."""
         joining = bool(self._join_config.enable)  # type: ignore[attr-defined]
-        check = self._bucket_check
-        if check is not None:
-            active = joining and not getattr(self, "_divide_by_initial_world_size", True)
-            if check.divide_by_active != active:
-                check.average_over_active(active)
+        if self._bucket_check is not None:
+            self._bucket_check.average_over_active(joining and not getattr(self, "_divide_by_initial_world_size", True))
         return joining

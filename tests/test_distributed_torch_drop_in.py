@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import io
 
 import pytest
@@ -88,13 +89,20 @@ def _pickle_and_deepcopy(world):
     expect_batch_error(lambda: copied(x if rank == 0 else x.float()).sum().backward(), ["dtype"])
 
 
+def _torch_positional(**values):
+    """torch's DDP arguments up to the last of `values`, by position in this torch's order (it changes: init_sync)."""
+    names = list(inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters.values())[2:]
+    last = max(i for i, p in enumerate(names) if p.name in values)
+    return tuple(values.get(p.name, p.default) for p in names[: last + 1])
+
+
 def _positional_arguments(world):
     net = _net()
-    # torch's order: device_ids, output_device, dim, broadcast_buffers, init_sync, process_group, bucket_cap_mb
-    ddp = dpfast.DistributedDataParallel(net, None, None, 0, False, True, None, 1, inputs="per_rank")
+    args = _torch_positional(dim=0, broadcast_buffers=False, process_group=None, bucket_cap_mb=1)
+    ddp = dpfast.DistributedDataParallel(net, *args, inputs="per_rank")
     syncs_buffers = getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", None))  # (torch < 2.10)
     assert ddp.dim == 0 and syncs_buffers is False and ddp.process_group is not None
-    theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(_net()), None, None, 0, False, True, None, 1)
+    theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(_net()), *args)
     _train(ddp, 2)
     _train(theirs, 2)
     _assert_same_parameters(ddp.module, theirs.module)

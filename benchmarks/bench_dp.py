@@ -18,14 +18,15 @@ One step = zero the grads, one RRN call ``model(x, x, (h0, c0))``, cross-entropy
 More sections: the fixed cost per extra replica (``--section replicas``, benchmarks/dp_replicas.py), balanced work
 with ``cost=`` (``--section balance``, benchmarks/dp_balance.py), per-leaf and per-call overhead against the same
 work written by hand (``--section overhead``, benchmarks/dp_overhead.py) and ``DistributedDataParallel`` on two gloo
-ranks against torch's DDP, with per-rank loading's balance (``--section ddp``, benchmarks/dp_distributed.py). A
+ranks against torch's DDP, with per-rank loading's balance (``--section ddp``, benchmarks/dp_distributed.py), and
+``dpfast.distributed.fully_shard`` against torch's FSDP2 (``--section fsdp``, benchmarks/dp_sharded.py). A
 diagnostic, run only when named: where a rehearsal's forward time goes, each piece timed inside the step and hot
 (``--section inside``, benchmarks/dp_inside_step.py).
 
 Prints tables, writes ``benchmarks/results/bench_dp.json`` and ``bench_dp.png`` (or ``--out DIR``).
 
     python benchmarks/bench_dp.py [--device cpu|cuda] [--quick]
-        [--section all|rrn|replicas|balance|overhead|ddp|inside] [--out DIR]
+        [--section all|rrn|replicas|balance|overhead|ddp|fsdp|inside] [--out DIR]
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from dp_distributed import plot_ddp, print_ddp, run_ddp  # noqa: E402
 from dp_inside_step import print_inside, run_inside  # noqa: E402
 from dp_overhead import print_overhead, run_overhead  # noqa: E402
 from dp_replicas import print_replicas, run_replicas  # noqa: E402
+from dp_sharded import print_fsdp, run_fsdp  # noqa: E402
 
 try:
     from dpfast.__main__ import load_example  # the checkout's examples/, or the installed dpfast.examples
@@ -316,16 +318,23 @@ def print_rrn(rows: list, device: torch.device, notes: list) -> None:
         print(f"target dpfast/torch <= 0.5 on [0, 0]: worst {worst_t:.3f} -> {'met' if worst_t <= 0.5 else 'NOT met'}")
 
 
+def _has_fsdp2() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch.distributed.fsdp._fully_shard") is not None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="benchmarks/bench_dp.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and rounds (about 25 s on the CPU)")
     parser.add_argument(
         "--section",
-        choices=["all", "rrn", "replicas", "balance", "overhead", "ddp", "inside"],
+        choices=["all", "rrn", "replicas", "balance", "overhead", "ddp", "fsdp", "inside"],
         default="all",
         help="rrn: the seed-000 step; replicas: fixed cost per extra replica; balance: cost=; overhead: per leaf and "
-        "per call; ddp: DistributedDataParallel against torch's DDP on 2 gloo ranks; inside: where the rehearsal's "
+        "per call; ddp: DistributedDataParallel against torch's DDP on 2 gloo ranks; fsdp: fully_shard against "
+        "torch's FSDP2 on 2 gloo ranks; inside: where the rehearsal's "
         "forward goes, each piece timed inside the step (a diagnostic, not in 'all')",
     )
     parser.add_argument("--out", default=os.path.join(HERE, "results"), help="directory for the JSON and PNG")
@@ -340,6 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     notes: list[str] = []
     rows, replica_rows, balance_rows, planning, overhead, ddp, inside = [], [], [], None, None, None, None
+    fsdp = None
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "bench_dp.json")
     if args.section in ("all", "rrn"):
@@ -368,6 +378,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.section in ("all", "ddp") and device.type == "cpu":  # NCCL would need a GPU per rank
         ddp = run_ddp(args.quick, budget, rounds)
         print_ddp(ddp)
+    if args.section in ("all", "fsdp") and device.type == "cpu" and _has_fsdp2():
+        fsdp = run_fsdp(args.quick, budget, rounds)
+        print_fsdp(fsdp)
     if args.section == "inside" and device.type == "cpu":
         inside = run_inside(sys.modules[__name__], args.quick)
         print_inside(inside)
@@ -407,6 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "overhead": overhead,
         "ddp": ddp,
+        "fsdp": fsdp,
         "inside": inside,
         "wall_s": round(time.perf_counter() - t0, 1),
     }

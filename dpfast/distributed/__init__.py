@@ -7,7 +7,8 @@ Modules, by concept: ``group`` (the ranks), ``settings`` (the wrapper's settings
 ``agreement`` (what the ranks compare, when, and the error every rank raises) and ``bucket_check`` (the check in
 DDP's first gradient bucket), ``inputs`` (a rank's share of a call and the per-rank loading helpers), the outputs
 (``output_layout``, ``outputs``: the exchange, ``output_adjoint``), ``empty_ranks`` (ranks without rows or that cannot
-run their part), ``sampler``, and ``module`` (the DDP subclass).
+run their part), ``sampler``, ``module`` (the DDP subclass) and ``sharded`` (the same on FSDP2:
+:func:`fully_shard`).
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from .disagreement import DistributedBatchError
 from .inputs import Share, shard_batch, shard_dataset, shard_range
 from .module import DistributedDataParallel
 from .sampler import BalancedBatchSampler
+from .sharded import fully_shard
 
 __all__ = [
     "DistributedDataParallel",
+    "fully_shard",
     "DistributedBatchError",
     "BalancedBatchSampler",
     "Share",

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -35,7 +35,7 @@ from torch import Tensor
 from ..plan.call_plan import CallPlan
 from ..plan.render import shape_text
 from ..trees.specs import Leaf
-from .disagreement import CANNOT_PLAN, JOINED, OK, error_line, raise_disagreement
+from .disagreement import CANNOT_PLAN, JOINED, NAME, OK, error_line, raise_disagreement
 from .group import RankGroup
 
 
@@ -149,6 +149,15 @@ def step_record(plan: CallPlan, per_rank: bool) -> StepRecord:
     return StepRecord(OK, None, None, hash((base, batch, plan.balance is not None, tuple(plan.sizes), shapes)), plan)
 
 
+def record_of(plan: CallPlan | None, error: BaseException | None, check_batch: Any, per_rank: bool) -> StepRecord:
+    """What the ranks compare of one forward, by the wrapper's ``check_batch`` (nothing when it is off)."""
+    if not check_batch:
+        return StepRecord(OK, error, {})
+    if plan is None or check_batch == "values":
+        return describe_step(plan, error, per_rank, check_batch == "values")
+    return step_record(plan, per_rank)
+
+
 def chain_row(records: Sequence[StepRecord]) -> list[int]:
     """``(status, fingerprint, forwards)`` of the forwards since the last check: what one rank contributes."""
     if len(records) == 1:  # a step's chain, most often
@@ -170,24 +179,35 @@ def rows_agree(rows: Sequence[Sequence[int]]) -> bool:
     return not ran or (ran[0][0] == OK and all(row == ran[0] for row in ran))
 
 
-def agree_now(group: Any, comm_device: torch.device, records: Sequence[StepRecord]) -> None:
+def agree_now(
+    group: Any,
+    comm_device: torch.device,
+    records: Sequence[StepRecord],
+    name: str = NAME,
+    alongside: Callable[[], Any] | None = None,
+) -> None:
     """A blocking check (one small all-gather): return when every rank's records match, else raise on every rank.
-    Used for the first call and where no collective of the step can carry the check."""
+    Used for the first call and where no collective of the step can carry the check. ``alongside`` issues
+    another collective while the check's is in flight, so that their round trips overlap."""
     world = dist.get_world_size(group)
     mine = torch.tensor(chain_row(records), dtype=torch.int64, device=comm_device)
     rows_t = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(rows_t, mine, group=group)
+    work = dist.all_gather(rows_t, mine, group=group, async_op=alongside is not None)
+    if alongside is not None:
+        alongside()
+        work.wait()
     rows = [t.tolist() for t in rows_t]
     if not rows_agree(rows):
-        raise_disagreement(group, records, rows)
+        raise_disagreement(group, records, rows, name)
 
 
 class StepChecks:
     """One wrapper's checks: the forwards since the last check, and what the last checked step established (the
     collectives its forward issued, and the first rank that had rows, which DDP's buffers come from)."""
 
-    def __init__(self, group: RankGroup, enabled: bool):
+    def __init__(self, group: RankGroup, enabled: bool, name: str = NAME):
         self.group = group
+        self.name = name  # the wrapper's, which heads its errors
         self.enabled = enabled
         self.records: list[StepRecord] = []
         self.checked_once = False
@@ -205,9 +225,19 @@ class StepChecks:
         if not self.enabled:
             return
         if not self.checked_once and not joining:  # a bad first call raises on every rank before it runs
-            agree_now(self.group.process_group, self.group.comm_device, [record])
+            agree_now(self.group.process_group, self.group.comm_device, [record], self.name)
             self.checked_once = True
         self.records.append(record)  # how the forward ends (it may still fail) is checked with the step
+
+    def check_before(self, record: StepRecord, alongside: Callable[[], Any]) -> None:
+        """A forward checked before it runs, with one small all-gather: FSDP2 leaves its step's state undefined
+        after a raise that follows its forward hook, so a rank that disagrees must raise before it. ``alongside``
+        starts the forward's first collective (FSDP's unshard), so that the check's round trip overlaps it."""
+        if not self.enabled:
+            return
+        records, self.records = self.records + [record], []
+        agree_now(self.group.process_group, self.group.comm_device, records, self.name, alongside)
+        self._commit()
 
     def ran(self, trace: list[tuple] | None, buffer_source: int) -> None:
         """What this forward did, kept until its check says it is what every rank did."""
@@ -229,7 +259,7 @@ class StepChecks:
             return
         records, self.records = self.records, []
         if not rows_agree(rows):
-            raise_disagreement(self.group.process_group, records, rows)
+            raise_disagreement(self.group.process_group, records, rows, self.name)
         self._commit()
 
     def agreed(self) -> None:
@@ -244,7 +274,7 @@ class StepChecks:
         if not self.enabled:
             return
         records, self.records = self.records, []
-        agree_now(self.group.process_group, self.group.comm_device, records)
+        agree_now(self.group.process_group, self.group.comm_device, records, self.name)
         self._commit()
 
     def _commit(self) -> None:

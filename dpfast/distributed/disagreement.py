@@ -44,9 +44,10 @@ def error_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {first}" if first else type(e).__name__
 
 
-def raise_disagreement(group: Any, records: Sequence[Any], rows: Sequence[Sequence[int]]) -> None:
-    """Every rank saw the same ``rows``, so every rank is here: one more collective for a readable message. When
-    every rank's module raised, each raises its own error, as it would without dpfast."""
+def raise_disagreement(group: Any, records: Sequence[Any], rows: Sequence[Sequence[int]], name: str = NAME) -> None:
+    """Every rank saw the same ``rows``, so every rank is here: one more collective for a readable message (headed
+    by ``name``, the wrapper's). When every rank's module raised, each raises its own error, as it would without
+    dpfast."""
     local = next((r.error for r in records if r.error is not None), None)
     if local is not None and all(row[0] == MODULE_RAISED for row in rows):
         raise local
@@ -56,7 +57,7 @@ def raise_disagreement(group: Any, records: Sequence[Any], rows: Sequence[Sequen
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine, group=group)
     ran = [r for r, row in enumerate(rows) if row[0] != JOINED]  # a joined rank ran no step since it joined
-    lines = [f"{NAME}: {_headline([everyone[r] for r in ran], [rows[r] for r in ran])}"]
+    lines = [f"{name}: {_headline([everyone[r] for r in ran], [rows[r] for r in ran])}"]
     lines += _rank_lines(everyone, rank)
     if local is not None and str(local):
         lines.append(str(local))  # this rank's own error in full (a ScatterError's table and suggested fix)

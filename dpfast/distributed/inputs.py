@@ -20,6 +20,7 @@ from ..move.nested import scatter_jagged
 from ..move.scatter import scatter_packed
 from ..plan.call_plan import CallPlan, plan_call
 from ..plan.costs import CostSource
+from ..plan.errors import ScatterError
 from ..plan.splits import split_sizes
 from ..trees.binding import Binding, BoundArguments
 from ..trees.containers import packed_batch
@@ -205,6 +206,17 @@ class RankCall:
     share: Share | None
     pending_rows: int | None = None
     empty: EmptyShare | None = None
+
+
+def plan_rank_call(
+    specs: Binding, inputs: tuple, kwargs: dict, parts: int, weights: Any, cost: CostSource | None
+) -> tuple[CallPlan | None, BaseException | None]:
+    """The call planned over ``parts`` ranks (1 for per-rank inputs), or why it cannot be: one rank may fail
+    alone, and it still keeps step with the others (its check row says why)."""
+    try:
+        return plan_call(specs, inputs, kwargs, parts, weights, cost=cost), None
+    except (ScatterError, TypeError, ValueError) as exc:
+        return None, exc
 
 
 def rank_call(

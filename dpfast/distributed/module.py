@@ -30,15 +30,14 @@ from torch import nn
 from torch.autograd import profiler
 from torch.distributed.utils import _to_kwargs
 
-from ..plan.call_plan import CallPlan, plan_call
-from ..plan.errors import ScatterError
+from ..plan.call_plan import CallPlan
 from ..trees.specs import Spec
-from .agreement import StepChecks, StepRecord, describe_step, step_record
+from .agreement import StepChecks, StepRecord, record_of
 from .bucket_check import BucketCheck, NativeBucketCheck, native_hook_available
-from .disagreement import EMPTY_REFUSED, GHOST_COUNTED, MODULE_RAISED, OK
+from .disagreement import EMPTY_REFUSED, GHOST_COUNTED, MODULE_RAISED
 from .empty_ranks import CollectiveLog, EmptyRankSteps, EmptyShare, _ShareRefused, replay
 from .group import RankGroup
-from .inputs import Share, per_rank_share, rank_call, through_input_grads
+from .inputs import Share, per_rank_share, plan_rank_call, rank_call, through_input_grads
 from .output_layout import ExchangeLayouts
 from .outputs import OutputsCall, gather_across_ranks
 from .settings import FIXED, agree_on_settings, check_settings, describe_settings, torch_ddp_kwargs
@@ -240,8 +239,9 @@ class DistributedDataParallel(TorchDDPMethods, EmptyRankSteps, nn.parallel.Distr
         if self._bucket_check is not None:
             self._bucket_check.read_deferred()  # CUDA: the last backward's check
         joining = self._sync_join_mode()
-        plan, error = self._plan(inputs, kwargs)
-        record = self._record(plan, error)
+        parts = 1 if self.inputs == "per_rank" else self._world
+        plan, error = plan_rank_call(self._specs, inputs, kwargs, parts, self._weights, self._cost)
+        record = record_of(plan, error, self.check_batch, self.inputs == "per_rank")
         self._checks.begin(record, joining)  # the first call is checked here, before anything runs (on every rank)
         if error is not None:
             if not self.check_batch:
@@ -250,14 +250,6 @@ class DistributedDataParallel(TorchDDPMethods, EmptyRankSteps, nn.parallel.Distr
         args, kw = self._take_share(plan, inputs, kwargs)
         first = plan.sizes.index(next(filter(None, plan.sizes))) if plan.mode == "split" else 0  # buffers' source
         return self._run_share(record, args, kw, first)
-
-    def _record(self, plan: CallPlan | None, error: BaseException | None) -> StepRecord:
-        """What the ranks compare of this forward (nothing with the checks off)."""
-        if not self.check_batch:
-            return StepRecord(OK, error, {})
-        if plan is None or self.check_batch == "values":
-            return describe_step(plan, error, self.inputs == "per_rank", self.check_batch == "values")
-        return step_record(plan, self.inputs == "per_rank")
 
     def _run_share(self, record: StepRecord, args: tuple, kw: dict, first: int) -> Any:
         """Run this rank's share through torch's DDP forward, then the step's check (where every rank raises
@@ -281,13 +273,6 @@ class DistributedDataParallel(TorchDDPMethods, EmptyRankSteps, nn.parallel.Distr
         if self.check_batch:
             self._checks.ran(self._call.log.entries, first)
         return self._finish(outputs)
-
-    def _plan(self, inputs: tuple, kwargs: dict) -> tuple[CallPlan | None, BaseException | None]:
-        parts = 1 if self.inputs == "per_rank" else self._world
-        try:
-            return plan_call(self._specs, inputs, kwargs, parts, self._weights, cost=self._cost), None
-        except (ScatterError, TypeError, ValueError) as exc:  # one rank may fail alone: it still keeps step
-            return None, exc
 
     def _finish(self, outputs: Any) -> Any:
         """The step's check where a collective carries it, then the outputs (gathered, with gather_outputs)."""

@@ -97,7 +97,9 @@ def check_settings(module: Any, values: dict[str, Any], process_group: Any) -> t
     return specs, cost_spec, weights
 
 
-def agree_on_settings(process_group: Any, settings: dict[str, str] | None, error: BaseException | None) -> None:
+def agree_on_settings(
+    process_group: Any, settings: dict[str, str] | None, error: BaseException | None, name: str = NAME
+) -> None:
     """Return when every rank of ``process_group`` built the same valid settings; else raise on every rank: the
     error itself when every rank hit the same one, else :class:`DistributedBatchError` saying, per rank, what
     differs (or which ranks' settings are invalid)."""
@@ -109,14 +111,14 @@ def agree_on_settings(process_group: Any, settings: dict[str, str] | None, error
     if failed:
         if error is not None and len(failed) == world and len({err for _, err in everyone}) == 1:
             raise error  # the same mistake everywhere: no disagreement to report
-        lines = [f"{NAME}: the settings of rank{'s' if len(failed) > 1 else ''} {_ranks(failed)} are invalid"]
+        lines = [f"{name}: the settings of rank{'s' if len(failed) > 1 else ''} {_ranks(failed)} are invalid"]
         lines += [f"  rank {r}{_me(r, rank)}: {err or 'valid'}" for r, (_, err) in enumerate(everyone)]
         raise DistributedBatchError("\n".join(lines)) from error
     differ = [k for k in settings or {} if len({s[k] for s, _ in everyone}) > 1]
     if not differ:
         return
     lines = [
-        f"{NAME}: the ranks were built with different settings ({', '.join(differ)}); every rank must construct "
+        f"{name}: the ranks were built with different settings ({', '.join(differ)}); every rank must construct "
         "it with the same ones"
     ]
     lines += [

@@ -1,0 +1,243 @@
+"""``dpfast.distributed.fully_shard``: torch's FSDP2 ``fully_shard`` with the specs and modes of
+:class:`~dpfast.distributed.DistributedDataParallel`.
+
+It applies torch's ``fully_shard`` to the module and gives the module's class one more level whose ``__call__``
+runs around torch's (its forward hooks included), on every rank:
+
+1. Plan the call by its call program, as ``DistributedDataParallel`` does (over ``world_size`` parts for the
+   global batch, one part for per-rank inputs), and check that the ranks agree, **before** FSDP's forward hook:
+   torch leaves FSDP's per-step state undefined after a raise that follows that hook, so a rank that disagrees
+   must raise before it. The check is one small all-gather per forward (``check_batch=False`` skips it): FSDP2 has
+   no collective ahead of its hook that could carry it, as DDP's first gradient bucket does, so FSDP's all-gather
+   of the root's parameters (``unshard(async_op=True)``, which its hook then waits for) is started while the
+   check's is in flight, and their round trips overlap.
+2. Run this rank's rows through torch's call (FSDP's all-gather, the module, its pre-backward hooks). A rank with
+   no rows of the global batch runs a ghost at once: the batch's first sample, whose outputs and gradients count
+   as nothing (:mod:`dpfast.distributed.empty_ranks`). Not its empty share first, as under DDP: a module that
+   refuses an empty batch raises inside FSDP's hooks, and a second try then breaks the order of FSDP's
+   collectives in backward (measured: a hang with the state fed back). With per-rank inputs it runs its empty
+   share.
+3. With ``gather_outputs=True``, the same output exchange as DDP's: every rank gets the full-batch outputs. FSDP2,
+   like DDP, divides gradients by the world size before summing them, so the exchange's backward (the exact
+   adjoint of an all-gather) gives the full-batch gradients (:mod:`dpfast.distributed.output_adjoint`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..plan.call_plan import CallPlan
+from ..plan.costs import CostSource
+from ..trees.binding import Binding
+from .agreement import StepChecks, record_of
+from .disagreement import EMPTY_REFUSED, GHOST_COUNTED, MODULE_RAISED, DistributedBatchError
+from .empty_ranks import CollectiveLog, EmptyShare, run_empty_share
+from .group import RankGroup
+from .inputs import RankCall, plan_rank_call, rank_call, through_input_grads
+from .output_layout import ExchangeLayouts
+from .outputs import OutputsCall, gather_across_ranks
+from .settings import agree_on_settings, check_settings, describe_settings
+
+NAME = "dpfast.distributed.fully_shard"
+
+
+def _torch_fully_shard() -> Callable[..., Any]:
+    try:
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    except ImportError:  # torch < 2.6 keeps FSDP2 under a private name
+        raise RuntimeError(
+            f"{NAME} needs FSDP2 as torch.distributed.fsdp.fully_shard, which torch {torch.__version__} lacks: "
+            "install torch>=2.6, or use dpfast.DistributedDataParallel"
+        ) from None
+    return torch_fully_shard
+
+
+def _mesh_of(mesh: Any) -> Any:
+    """The one-dimensional mesh the batch is split over: ``mesh``, or all ranks on the process group's device
+    (torch's own default follows whatever accelerator it finds, even where the process group is gloo's)."""
+    if mesh is None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device = "cuda" if "nccl" in str(dist.get_backend()).lower() else "cpu"
+        return init_device_mesh(device, (dist.get_world_size(),))
+    if getattr(mesh, "ndim", None) != 1:
+        raise ValueError(
+            f"mesh must be a one-dimensional DeviceMesh (the ranks the batch is split over), got "
+            f"{getattr(mesh, 'ndim', type(mesh).__name__)} dimensions; for a 2-D (HSDP) mesh apply torch's "
+            "fully_shard and split the batch with dpfast.distributed.shard_batch over the data-parallel ranks"
+        )
+    return mesh
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: Any = None,
+    in_dims: Any = None,
+    out_dims: Any = None,
+    dim: int = 0,
+    inputs: str = "global",
+    gather_outputs: bool = False,
+    check_batch: Any = True,
+    chunk_sizes: Sequence[float] | None = None,
+    cost: Any = None,
+    **fully_shard_kwargs: Any,
+) -> nn.Module:
+    """torch's FSDP2 ``fully_shard`` with dpfast's ``in_dims``/``out_dims`` and modes.
+
+    Args:
+        module: the root module. Blocks already passed to torch's ``fully_shard`` stay as they are.
+        mesh: a one-dimensional ``DeviceMesh`` over the ranks; ``None``: every rank, on the process group's device
+            (``"cuda"`` for NCCL, else ``"cpu"``).
+        in_dims: as for :class:`dpfast.distributed.DistributedDataParallel`.
+        out_dims: as for ``DistributedDataParallel``.
+        dim: as for ``DistributedDataParallel``.
+        inputs: ``"global"`` (every rank is given the global batch and keeps its rows) or ``"per_rank"`` (every
+            rank passes its own rows; shares may differ in size), as for ``DistributedDataParallel``.
+        gather_outputs: every rank gets the full-batch outputs along ``out_dims``; a loss on them gives, after
+            FSDP's gradient reduction, exactly the full-batch gradients. Without it, each rank's own outputs.
+        check_batch: ``True`` (default): before each forward the ranks check that they agree (``B``, the split,
+            the argument structure, shapes and dtypes; per-rank inputs: structure and dtypes), in one small
+            all-gather. ``"values"`` also compares a hash of the split tensors' bytes; ``False`` skips it.
+        chunk_sizes: as for ``DistributedDataParallel`` (``inputs="global"`` only): one relative weight per rank.
+        cost: as for ``DistributedDataParallel`` (``inputs="global"`` only): balances the ranks' work.
+        **fully_shard_kwargs: passed to torch's ``fully_shard`` (``reshard_after_forward``, ``mp_policy``, ...).
+
+    Returns:
+        ``module`` itself, now an ``FSDPModule`` (its ``state_dict`` keys unchanged), whose calls split, check and
+        gather as the settings say.
+
+    Raises:
+        DistributedBatchError: on every rank, when the ranks were built with different settings (here), or when a
+            forward finds that they disagree or that one cannot run its part.
+        TypeError, ValueError: invalid settings (on every rank alike).
+        RuntimeError: ``torch.distributed`` is not initialized, or this torch has no FSDP2.
+    """
+    torch_fully_shard = _torch_fully_shard()
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"{NAME} needs torch.distributed: call torch.distributed.init_process_group(...) first (torchrun sets "
+            "the environment for it)"
+        )
+    values = dict(inputs=inputs, in_dims=in_dims, out_dims=out_dims, dim=dim, chunk_sizes=chunk_sizes)
+    values.update(cost=cost, gather_outputs=bool(gather_outputs), check_batch=check_batch)
+    mesh = _mesh_of(mesh)
+    pg = mesh.get_group()
+    try:
+        if isinstance(module, _ShardedCall):
+            raise ValueError(f"{NAME} was already applied to this module: apply it once, to the root")
+        specs, cost_spec, weights = check_settings(module, values, pg)
+    except (TypeError, ValueError) as exc:
+        agree_on_settings(pg, None, exc, NAME)
+        raise
+    agree_on_settings(pg, describe_settings(values, specs.signature_text), None, NAME)
+    torch_fully_shard(module, mesh=mesh, **fully_shard_kwargs)
+    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+    comm = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    group = RankGroup(pg, rank, world, comm)
+    module.__dict__["_dpfast_calls"] = _ShardedCalls(values, specs, cost_spec, weights, group)
+    module.__class__ = _sharded_class(type(module))
+    return module
+
+
+class _ShardedCall:
+    """The level ``fully_shard`` adds to an FSDP class: its ``__call__`` (see the module docstring)."""
+
+    _dpfast_calls: _ShardedCalls
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._dpfast_calls.call(super().__call__, self, args, kwargs)  # type: ignore[misc]
+
+
+# one class per FSDP class, as torch's fully_shard keeps one FSDP class per module class
+_SHARDED_CLASSES: dict[type, type] = {}
+
+
+def _sharded_class(fsdp_class: type) -> type:
+    made = _SHARDED_CLASSES.get(fsdp_class)
+    if made is None:
+        # FSDPModule.__new__ finds the module's own class (for slicing a container) by its place in the MRO
+        index = getattr(fsdp_class, "_orig_cls_mro_index", 2) + 2
+        attrs = {"_orig_cls_mro_index": index, "__module__": fsdp_class.__module__}
+        made = _SHARDED_CLASSES[fsdp_class] = type(fsdp_class.__name__, (_ShardedCall, fsdp_class), attrs)
+    return made
+
+
+@dataclasses.dataclass
+class _ShardedCalls:
+    """One sharded module's settings, checks and output exchange."""
+
+    values: dict[str, Any]
+    specs: Binding
+    cost: CostSource | None
+    weights: Any
+    group: RankGroup
+    checks: StepChecks = dataclasses.field(init=False)
+    exchange: ExchangeLayouts = dataclasses.field(default_factory=ExchangeLayouts)
+
+    def __post_init__(self) -> None:
+        self.checks = StepChecks(self.group, enabled=bool(self.values["check_batch"]), name=NAME)
+
+    def call(self, run: Callable[..., Any], module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        v, g = self.values, self.group
+        per_rank = v["inputs"] == "per_rank"
+        plan, error = plan_rank_call(self.specs, args, kwargs, 1 if per_rank else g.world, self.weights, self.cost)
+        record = record_of(plan, error, v["check_batch"], per_rank)
+        # every rank raises here when one cannot plan or the ranks disagree; FSDP's all-gather of the root's
+        # parameters (which its forward hook waits for) starts while the check's is in flight
+        self.checks.check_before(record, lambda: module.unshard(async_op=True))
+        if plan is None:
+            assert error is not None  # (the checks are off)
+            raise error
+        part = self._part(plan, args, kwargs, per_rank)
+        try:
+            outputs = self._run(run, module, part)
+        except Exception as exc:
+            if not (v["gather_outputs"] and v["check_batch"]):
+                raise
+            record.fail(MODULE_RAISED, exc)  # the others wait in the output exchange: it carries the failure
+            self.checks.records.append(record)
+            self._gather(None, part, per_rank, failed=True)
+            raise
+        return self._gather(outputs, part, per_rank, failed=False) if v["gather_outputs"] else outputs
+
+    def _part(self, plan: CallPlan, args: tuple, kwargs: dict, per_rank: bool) -> RankCall:
+        g = self.group
+        average = self.values["gather_outputs"] and not per_rank
+        subs = through_input_grads(plan.tree, g, average) if torch.is_grad_enabled() else {}
+        return rank_call(plan, args, kwargs, g.rank, g.world, per_rank, subs, lambda a, k: (a, k))
+
+    def _run(self, run: Callable[..., Any], module: nn.Module, part: RankCall) -> Any:
+        if part.empty is None:
+            return run(*part.args, **part.kwargs)
+        empty = part.empty
+        if empty.ghost is not None:  # straight to the ghost (see the module docstring)
+            empty = EmptyShare(None, empty.ghost)
+        log = CollectiveLog(keep_results=True)
+        with log:
+            result = run_empty_share(run, module, empty, log, self.values["out_dims"], self.values["dim"])
+        if result.status in (EMPTY_REFUSED, GHOST_COUNTED):
+            raise DistributedBatchError(
+                f"{NAME}: rank {self.group.rank} has no rows and cannot run its part ({result.error})"
+            ) from result.error
+        return result.outputs
+
+    def _gather(self, outputs: Any, part: RankCall, per_rank: bool, failed: bool) -> Any:
+        v, s = self.values, part.share
+        call = OutputsCall(
+            self.group,
+            v["out_dims"],
+            v["dim"],
+            self.checks.row(),
+            self.checks.verify,
+            None if per_rank else (s.sizes if s is not None else ()),
+            part.pending_rows if per_rank else None,
+            self.exchange,
+        )
+        return gather_across_ranks(call, outputs, failed)[0]

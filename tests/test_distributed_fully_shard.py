@@ -1,0 +1,227 @@
+"""``dpfast.distributed.fully_shard`` (FSDP2 with dpfast's specs) on 2 and 3 gloo ranks, float64: outputs, states,
+gradients and parameters after several optimizer steps equal single-process full-batch training, alone and mixed
+with torch's per-block ``fully_shard``, with ``reshard_after_forward`` both ways; ranks that disagree raise on every
+rank, on any step, and the module still trains afterwards."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import dpfast
+from dpfast.distributed import shard_batch
+
+from ddp_harness import RRN, GroupRuns, assert_tree_close, expect_batch_error, losses_loss, rrn_inputs, rrn_loss, xy
+from dp_testing import DT, Losses
+
+fsdp = pytest.importorskip("torch.distributed.fsdp")
+if not hasattr(fsdp, "fully_shard"):
+    pytest.skip("FSDP2 is torch.distributed.fsdp.fully_shard from torch 2.6", allow_module_level=True)
+
+
+class NoEmpty(Losses):
+    """Refuses an empty batch: a rank without rows runs a ghost sample instead."""
+
+    def forward(self, x, y):
+        if x.shape[0] == 0:
+            raise RuntimeError("NoEmpty cannot run on an empty batch")
+        return super().forward(x, y)
+
+
+class Blocks(nn.Module):
+    """Two blocks the user may shard on their own, as FSDP2 users do, then the root."""
+
+    def __init__(self):
+        super().__init__()
+        self.block0 = nn.Sequential(nn.Linear(4, 8), nn.Tanh())
+        self.block1 = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x, y):
+        pred = self.head(self.block1(self.block0(x)))
+        return ((pred - y) ** 2).mean(), pred
+
+
+def _mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _assert_grads_and_params(net, ref, what):
+    for (name, p), (_, q) in zip(net.named_parameters(), ref.named_parameters()):
+        assert p.grad is not None, f"{what}: {name} has no gradient"
+        torch.testing.assert_close(_full(p.grad), q.grad, msg=lambda m, n=name: f"{what}, grad of {n}: {m}")
+        torch.testing.assert_close(_full(p.detach()), q.detach(), msg=lambda m, n=name: f"{what}, {n}: {m}")
+
+
+def _train_vs_full_batch(factory, batch, loss_fn, kwargs, steps=3, blocks=False, per_rank_dims=None, reasoning=1):
+    """Several SGD steps of the sharded module and of the plain one on the whole batch, compared at every step:
+    outputs (gathered), parameter gradients and parameters. ``per_rank_dims``: each rank passes its own rows
+    (cut by ``shard_batch`` with those in_dims); ``reasoning``: calls per step, feeding the gathered outputs back
+    (the RRN, with the global batch)."""
+    torch.manual_seed(0)
+    ref = factory().to(DT)
+    torch.manual_seed(0)  # FSDP2 broadcasts nothing: every rank builds the same module
+    net = factory().to(DT)
+    mesh = _mesh()
+    if blocks:
+        for block in (net.block0, net.block1):
+            fsdp.fully_shard(block, mesh=mesh, reshard_after_forward=kwargs.get("reshard_after_forward", True))
+    per_rank = per_rank_dims is not None
+    keys = list(net.state_dict())
+    sharded = dpfast.distributed.fully_shard(
+        net, mesh=mesh, gather_outputs=True, inputs="per_rank" if per_rank else "global", **kwargs
+    )
+    assert sharded is net and isinstance(net, fsdp.FSDPModule)
+    assert list(net.state_dict()) == keys
+    opt, opt_ref = torch.optim.SGD(net.parameters(), lr=0.05), torch.optim.SGD(ref.parameters(), lr=0.05)
+    for step in range(steps):
+        args = batch(step)
+        mine = shard_batch(args, in_dims=per_rank_dims) if per_rank else args
+        outs, wants = [], []
+        for _ in range(reasoning):
+            outs.append(net(*mine))
+            wants.append(ref(*args))
+            args, mine = (args[0],) + tuple(wants[-1][1:]), (mine[0],) + tuple(outs[-1][1:])  # (global inputs)
+        assert_tree_close(outs, wants, f"step {step} outputs")
+        sum(loss_fn(o) for o in outs).backward()
+        sum(loss_fn(w) for w in wants).backward()
+        _assert_grads_and_params(net, ref, f"step {step}")
+        opt.step(), opt_ref.step()
+        opt.zero_grad(), opt_ref.zero_grad()
+    for (name, p), (_, q) in zip(net.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(_full(p.detach()), q.detach(), msg=lambda m, n=name: f"after training, {n}: {m}")
+
+
+def _xy_batches(b):
+    return lambda step: xy(b + step)
+
+
+def _blocks_loss(outputs):
+    loss, pred = outputs
+    return loss + pred.pow(2).mean()
+
+
+def _rrn_batches(b):
+    return lambda step: rrn_inputs(b)
+
+
+def _local_outputs_mean_loss(world):
+    """Without gather_outputs each rank gets its own rows' outputs; with equal shares and a per-sample mean loss
+    FSDP's averaged gradient is the full-batch one."""
+    torch.manual_seed(0)
+    ref = Losses().to(DT)
+    torch.manual_seed(0)
+    net = dpfast.distributed.fully_shard(Losses().to(DT), mesh=_mesh())
+    x, y = xy(2 * world)
+    mse, _, pred = net(x, y)
+    assert pred.shape == (2, 2)
+    mse.backward()
+    ref(x, y)[0].backward()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(_full(p.grad), q.grad)
+
+
+def _disagreements(world, gather):
+    """A rank given another dtype, another B, or an unplannable batch: every rank raises, on the first step and
+    after good ones, before FSDP's forward hook, so the module then trains on."""
+    torch.manual_seed(0)
+    net = dpfast.distributed.fully_shard(
+        Losses().to(DT), mesh=_mesh(), gather_outputs=gather, out_dims=("mean", "sum", 0)
+    )
+    rank = dist.get_rank()
+    x, y = xy(5)
+    expect_batch_error(lambda: net(x if rank else x.float(), y), ["torch.float32"])
+    for _ in range(2):
+        net(x, y)[0].backward()
+    expect_batch_error(lambda: net(x if rank else x.float(), y), ["torch.float32"])
+    expect_batch_error(lambda: net(x[: 4 + (rank == 1)], y[: 4 + (rank == 1)]), ["B"])
+    expect_batch_error(lambda: net(x, y[:3] if rank == 0 else y), ["split"])
+    net(x, y)[0].backward()  # still trains: nothing ran past FSDP's hook on the failed calls
+
+
+def _settings_disagree(world):
+    net = Losses().to(DT)
+    in_dims = {"x": 0} if dist.get_rank() == 0 else None
+    msg = expect_batch_error(lambda: dpfast.distributed.fully_shard(net, mesh=_mesh(), in_dims=in_dims), ["in_dims"])
+    assert msg.startswith("dpfast.distributed.fully_shard:"), msg
+
+
+def _refusals(world):
+    net = dpfast.distributed.fully_shard(Losses().to(DT), mesh=_mesh())
+    with pytest.raises(ValueError, match="already applied"):
+        dpfast.distributed.fully_shard(net, mesh=_mesh())
+    with pytest.raises(ValueError, match="one-dimensional DeviceMesh"):
+        dpfast.distributed.fully_shard(Losses().to(DT), mesh="cpu")
+    with pytest.raises(ValueError, match="inputs must be"):
+        dpfast.distributed.fully_shard(Losses().to(DT), inputs="rows")
+
+
+def _default_mesh(world):
+    torch.manual_seed(0)
+    net = dpfast.distributed.fully_shard(Losses().to(DT), gather_outputs=True, out_dims=("mean", "sum", 0))
+    _, _, pred = net(*xy(world + 2))
+    assert pred.shape == (world + 2, 2)
+
+
+def _example_check(world):
+    """examples/fsdp_rrn.py's float64 check on the seed's RRN, three calls feeding the state back: the global batch,
+    and one a rank has no rows of (the RRN refuses an empty batch: a ghost runs)."""
+    from dpfast.__main__ import load_example
+
+    example = load_example("fsdp_rrn")
+    for b in (6, world - 1):
+        assert example.check(example.Config(batch=b), torch.device("cpu"), b) < 1e-9
+
+
+def _scenarios(world):
+    out = {}
+    losses_kw = dict(out_dims=("mean", "sum", 0))
+    for b in (world - 1, 7):  # a rank without rows; uneven shares
+        out[f"losses_B{b}"] = functools.partial(_train_vs_full_batch, Losses, _xy_batches(b), losses_loss, losses_kw)
+    out["ghost_when_module_refuses_empty"] = functools.partial(
+        _train_vs_full_batch, NoEmpty, _xy_batches(world - 1), losses_loss, losses_kw, steps=1
+    )
+    for reshard in (True, False):
+        kw = dict(out_dims=("mean", 0), reshard_after_forward=reshard)
+        out[f"per_block_reshard_{reshard}"] = functools.partial(
+            _train_vs_full_batch, Blocks, _xy_batches(7), _blocks_loss, kw, blocks=True
+        )
+    out["per_rank_inputs"] = functools.partial(
+        _train_vs_full_batch, Losses, _xy_batches(7), losses_loss, losses_kw, per_rank_dims=0
+    )
+    out["seed_rrn_state_fed_back"] = functools.partial(
+        _train_vs_full_batch,
+        RRN,
+        _rrn_batches(5),
+        rrn_loss,
+        dict(in_dims={"h": 1}, out_dims=(0, 0, 1)),
+        reasoning=2,
+    )
+    out["example_check"] = functools.partial(_example_check, world)
+    out["local_outputs_mean_loss"] = functools.partial(_local_outputs_mean_loss, world)
+    out["disagreements_gathered"] = functools.partial(_disagreements, world, True)
+    out["disagreements_local"] = functools.partial(_disagreements, world, False)
+    out["settings_disagree"] = functools.partial(_settings_disagree, world)
+    out["refusals"] = functools.partial(_refusals, world)
+    out["default_mesh"] = functools.partial(_default_mesh, world)
+    return out
+
+
+RUNS = GroupRuns(_scenarios, worlds=(2, 3))
+test_group_ran_every_scenario = RUNS.group_test()
+test_scenario = RUNS.scenario_test()
+
+
+def test_without_a_process_group_says_what_to_call():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        dpfast.distributed.fully_shard(Losses())

@@ -156,6 +156,20 @@ def _settings_disagree(world):
     assert msg.startswith("dpfast.distributed.fully_shard:"), msg
 
 
+def _outputs_need_grad_on_some_ranks_only(world):
+    """The output exchange's own errors name this wrapper, not DistributedDataParallel."""
+    net = dpfast.distributed.fully_shard(Losses().to(DT), mesh=_mesh(), gather_outputs=True, out_dims=("mean", 0, 0))
+    x, y = xy(5)
+
+    def call():
+        with torch.set_grad_enabled(dist.get_rank() != 0):
+            net(x, y)
+
+    msg = expect_batch_error(call, ["need grad"])
+    assert msg.startswith("dpfast.distributed.fully_shard(gather_outputs=True):"), msg
+    net(x, y)[0].backward()  # and it trains on
+
+
 def _refusals(world):
     net = dpfast.distributed.fully_shard(Losses().to(DT), mesh=_mesh())
     with pytest.raises(ValueError, match="already applied"):
@@ -213,6 +227,7 @@ def _scenarios(world):
     out["disagreements_local"] = functools.partial(_disagreements, world, False)
     out["settings_disagree"] = functools.partial(_settings_disagree, world)
     out["refusals"] = functools.partial(_refusals, world)
+    out["outputs_need_grad_on_some_ranks_only"] = functools.partial(_outputs_need_grad_on_some_ranks_only, world)
     out["default_mesh"] = functools.partial(_default_mesh, world)
     return out
 

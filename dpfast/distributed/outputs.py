@@ -174,6 +174,7 @@ class OutputsCall:
     sizes: Sequence[int] | None  # rows per rank of the global batch (() when nothing was split); None: per rank
     local_rows: int | None  # per-rank inputs: this rank's rows (None when nothing is split)
     kept: ExchangeLayouts
+    name: str = NAME  # the wrapper's, which heads the exchange's errors
 
 
 def gather_across_ranks(call: OutputsCall, out: Any, failed: bool) -> tuple[Any, list[int] | None]:
@@ -209,9 +210,9 @@ def gather_across_ranks(call: OutputsCall, out: Any, failed: bool) -> tuple[Any,
     headers = ex.headers
     call.verify([h[:3] for h in headers])  # a rank that could not plan or run its part: raised on every rank here
     if any(h[3] for h in headers) or len({h[4] for h in headers}) > 1:
-        _raise_output_disagreement(g, layout, error, [r for r, h in enumerate(headers) if h[3]])
+        _raise_output_disagreement(g, layout, error, [r for r, h in enumerate(headers) if h[3]], call.name)
     if len({h[7] & 1 for h in headers}) > 1:
-        _raise_grad_disagreement(g, [bool(h[7] & 1) for h in headers])
+        _raise_grad_disagreement(g, [bool(h[7] & 1) for h in headers], call.name)
     per_rank = [h[6] for h in headers] if call.sizes is None else None
     if not got.tensors:
         return out, per_rank
@@ -280,11 +281,11 @@ def _assemble(
     return values[0] if got.tdef is LEAF else unflatten(got.tdef, values)
 
 
-def _raise_grad_disagreement(group: RankGroup, needs: list[bool]) -> None:
+def _raise_grad_disagreement(group: RankGroup, needs: list[bool], name: str) -> None:
     yes = [r for r, n in enumerate(needs) if n]
     no = [r for r, n in enumerate(needs) if not n]
     lines = [
-        f"{NAME}(gather_outputs=True): the outputs need grad on rank{'s' if len(yes) > 1 else ''} "
+        f"{name}(gather_outputs=True): the outputs need grad on rank{'s' if len(yes) > 1 else ''} "
         f"{', '.join(map(str, yes))} and not on rank{'s' if len(no) > 1 else ''} {', '.join(map(str, no))}. Their "
         "backward is a collective, so every rank's outputs must need grad or none's: run every rank's forward with "
         "grad enabled or under torch.no_grad() alike, and detach outputs on every rank or on none"
@@ -296,11 +297,11 @@ def _raise_grad_disagreement(group: RankGroup, needs: list[bool]) -> None:
 
 
 def _raise_output_disagreement(
-    group: RankGroup, layout: OutputLayout, error: BaseException | None, failed: list[int]
+    group: RankGroup, layout: OutputLayout, error: BaseException | None, failed: list[int], wrapper: str
 ) -> None:
     summaries: list[Any] = [None] * group.world
     dist.all_gather_object(summaries, list(layout.desc), group=group.process_group)
-    name = f"{NAME}(gather_outputs=True)"
+    name = f"{wrapper}(gather_outputs=True)"
     if failed:
         many = len(failed) > 1
         lines = [

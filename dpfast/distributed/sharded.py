@@ -239,5 +239,6 @@ class _ShardedCalls:
             None if per_rank else (s.sizes if s is not None else ()),
             part.pending_rows if per_rank else None,
             self.exchange,
+            NAME,
         )
         return gather_across_ranks(call, outputs, failed)[0]

@@ -197,6 +197,29 @@ def _example_check(world):
         assert example.check(example.Config(batch=b), torch.device("cpu"), b) < 1e-9
 
 
+def _compiled(world, in_place):
+    """torch.compile of the sharded root (or module.compile()): the split, the check and the gather run as they
+    are (graph breaks), the module's forward is compiled, and training equals single-process full-batch."""
+    kw = dict(out_dims=("mean", "sum", 0))
+    torch.manual_seed(0)
+    ref = Losses().to(DT)
+    torch.manual_seed(0)
+    net = dpfast.distributed.fully_shard(Losses().to(DT), mesh=_mesh(), gather_outputs=True, **kw)
+    if in_place:
+        net.compile(backend="eager")
+        model = net
+    else:
+        model = torch.compile(net, backend="eager")
+    for step in range(2):
+        x, y = xy(7 + step)
+        out, want = model(x, y), ref(x, y)
+        assert_tree_close(out, want, f"step {step} outputs")
+        losses_loss(out).backward()
+        losses_loss(want).backward()
+        _assert_grads_and_params(net, ref, f"step {step}")
+    expect_batch_error(lambda: model(x if dist.get_rank() else x.float(), y), ["torch.float32"])
+
+
 def _scenarios(world):
     out = {}
     losses_kw = dict(out_dims=("mean", "sum", 0))
@@ -229,6 +252,8 @@ def _scenarios(world):
     out["refusals"] = functools.partial(_refusals, world)
     out["outputs_need_grad_on_some_ranks_only"] = functools.partial(_outputs_need_grad_on_some_ranks_only, world)
     out["default_mesh"] = functools.partial(_default_mesh, world)
+    for in_place in (False, True):
+        out[f"compiled_in_place_{in_place}"] = functools.partial(_compiled, world, in_place)
     return out
 
 

@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..plan.call_plan import CallPlan
+from ..ext.torch_compat import run_by_dynamo_as_it_is
 from ..plan.costs import CostSource
 from ..trees.binding import Binding
-from .agreement import StepChecks, record_of
+from .agreement import StepChecks, StepRecord, record_of
 from .disagreement import EMPTY_REFUSED, GHOST_COUNTED, MODULE_RAISED, DistributedBatchError
 from .empty_ranks import CollectiveLog, EmptyShare, run_empty_share
 from .group import RankGroup
@@ -152,7 +152,17 @@ class _ShardedCall:
     _dpfast_calls: _ShardedCalls
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._dpfast_calls.call(super().__call__, self, args, kwargs)  # type: ignore[misc]
+        calls, run = self._dpfast_calls, super().__call__  # type: ignore[misc]
+        part = calls.before(self, args, kwargs)
+        if part.empty is not None:
+            outputs = calls.run_empty(run, self, part)
+        else:
+            try:
+                outputs = run(*part.args, **part.kwargs)  # torch's call: compiled where its caller is
+            except Exception as exc:
+                calls.failed(part, exc)
+                raise
+        return calls.after(outputs, part)
 
 
 # one class per FSDP class, as torch's fully_shard keeps one FSDP class per module class
@@ -180,56 +190,65 @@ class _ShardedCalls:
     group: RankGroup
     checks: StepChecks = dataclasses.field(init=False)
     exchange: ExchangeLayouts = dataclasses.field(default_factory=ExchangeLayouts)
+    record: StepRecord | None = None  # the last forward's, which fails when its module raises
 
     def __post_init__(self) -> None:
         self.checks = StepChecks(self.group, enabled=bool(self.values["check_batch"]), name=NAME)
 
-    def call(self, run: Callable[..., Any], module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    # the split, the check and the gather run as they are under torch.compile (graph breaks around the module's
+    # forward, which is compiled): they are collectives and Python bookkeeping that tracing cannot hold
+    @run_by_dynamo_as_it_is
+    def before(self, module: nn.Module, args: tuple, kwargs: dict) -> RankCall:
+        """Plan the call, check it with the other ranks (every rank raises here when one cannot plan or the ranks
+        disagree) and take this rank's part. FSDP's all-gather of the root's parameters, which its forward hook
+        waits for, starts while the check's is in flight."""
         v, g = self.values, self.group
         per_rank = v["inputs"] == "per_rank"
         plan, error = plan_rank_call(self.specs, args, kwargs, 1 if per_rank else g.world, self.weights, self.cost)
-        record = record_of(plan, error, v["check_batch"], per_rank)
-        # every rank raises here when one cannot plan or the ranks disagree; FSDP's all-gather of the root's
-        # parameters (which its forward hook waits for) starts while the check's is in flight
-        self.checks.check_before(record, lambda: module.unshard(async_op=True))
+        self.record = record_of(plan, error, v["check_batch"], per_rank)
+        self.checks.check_before(self.record, lambda: module.unshard(async_op=True))
         if plan is None:
             assert error is not None  # (the checks are off)
             raise error
-        part = self._part(plan, args, kwargs, per_rank)
-        try:
-            outputs = self._run(run, module, part)
-        except Exception as exc:
-            if not (v["gather_outputs"] and v["check_batch"]):
-                raise
-            record.fail(MODULE_RAISED, exc)  # the others wait in the output exchange: it carries the failure
-            self.checks.records.append(record)
-            self._gather(None, part, per_rank, failed=True)
-            raise
-        return self._gather(outputs, part, per_rank, failed=False) if v["gather_outputs"] else outputs
-
-    def _part(self, plan: CallPlan, args: tuple, kwargs: dict, per_rank: bool) -> RankCall:
-        g = self.group
-        average = self.values["gather_outputs"] and not per_rank
+        average = v["gather_outputs"] and not per_rank
         subs = through_input_grads(plan.tree, g, average) if torch.is_grad_enabled() else {}
         return rank_call(plan, args, kwargs, g.rank, g.world, per_rank, subs, lambda a, k: (a, k))
 
-    def _run(self, run: Callable[..., Any], module: nn.Module, part: RankCall) -> Any:
-        if part.empty is None:
-            return run(*part.args, **part.kwargs)
+    @run_by_dynamo_as_it_is
+    def failed(self, part: RankCall, exc: BaseException) -> None:
+        """This rank's module raised: with gathered outputs the others wait in the exchange, which carries the
+        failure (every rank raises there); otherwise the caller re-raises."""
+        if self.values["gather_outputs"] and self.values["check_batch"]:
+            self.record.fail(MODULE_RAISED, exc)
+            self.checks.records.append(self.record)
+            self._gather(None, part, failed=True)
+
+    @run_by_dynamo_as_it_is
+    def after(self, outputs: Any, part: RankCall) -> Any:
+        return self._gather(outputs, part, failed=False) if self.values["gather_outputs"] else outputs
+
+    @run_by_dynamo_as_it_is
+    def run_empty(self, run: Callable[..., Any], module: nn.Module, part: RankCall) -> Any:
+        """A rank without rows: its ghost, or with per-rank inputs its empty share (see the module docstring)."""
         empty = part.empty
+        assert empty is not None
         if empty.ghost is not None:  # straight to the ghost (see the module docstring)
             empty = EmptyShare(None, empty.ghost)
         log = CollectiveLog(keep_results=True)
         with log:
             result = run_empty_share(run, module, empty, log, self.values["out_dims"], self.values["dim"])
         if result.status in (EMPTY_REFUSED, GHOST_COUNTED):
-            raise DistributedBatchError(
+            error = DistributedBatchError(
                 f"{NAME}: rank {self.group.rank} has no rows and cannot run its part ({result.error})"
-            ) from result.error
+            )
+            error.__cause__ = result.error
+            self.failed(part, error)
+            raise error
         return result.outputs
 
-    def _gather(self, outputs: Any, part: RankCall, per_rank: bool, failed: bool) -> Any:
+    def _gather(self, outputs: Any, part: RankCall, failed: bool) -> Any:
         v, s = self.values, part.share
+        per_rank = v["inputs"] == "per_rank"
         call = OutputsCall(
             self.group,
             v["out_dims"],

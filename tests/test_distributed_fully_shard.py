@@ -46,10 +46,12 @@ class Blocks(nn.Module):
         return ((pred - y) ** 2).mean(), pred
 
 
-def _mesh():
+def _mesh(shape=None):
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh("cpu", (dist.get_world_size(),))
+    if shape is None:
+        return init_device_mesh("cpu", (dist.get_world_size(),))
+    return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))  # HSDP
 
 
 def _full(t):
@@ -63,16 +65,18 @@ def _assert_grads_and_params(net, ref, what):
         torch.testing.assert_close(_full(p.detach()), q.detach(), msg=lambda m, n=name: f"{what}, {n}: {m}")
 
 
-def _train_vs_full_batch(factory, batch, loss_fn, kwargs, steps=3, blocks=False, per_rank_dims=None, reasoning=1):
+def _train_vs_full_batch(
+    factory, batch, loss_fn, kwargs, steps=3, blocks=False, per_rank_dims=None, reasoning=1, mesh_shape=None
+):
     """Several SGD steps of the sharded module and of the plain one on the whole batch, compared at every step:
     outputs (gathered), parameter gradients and parameters. ``per_rank_dims``: each rank passes its own rows
     (cut by ``shard_batch`` with those in_dims); ``reasoning``: calls per step, feeding the gathered outputs back
-    (the RRN, with the global batch)."""
+    (the RRN, with the global batch); ``mesh_shape``: a 2-D (HSDP) mesh, replicated x sharded."""
     torch.manual_seed(0)
     ref = factory().to(DT)
     torch.manual_seed(0)  # FSDP2 broadcasts nothing: every rank builds the same module
     net = factory().to(DT)
-    mesh = _mesh()
+    mesh = _mesh(mesh_shape)
     if blocks:
         for block in (net.block0, net.block1):
             fsdp.fully_shard(block, mesh=mesh, reshard_after_forward=kwargs.get("reshard_after_forward", True))
@@ -174,7 +178,7 @@ def _refusals(world):
     net = dpfast.distributed.fully_shard(Losses().to(DT), mesh=_mesh())
     with pytest.raises(ValueError, match="already applied"):
         dpfast.distributed.fully_shard(net, mesh=_mesh())
-    with pytest.raises(ValueError, match="one-dimensional DeviceMesh"):
+    with pytest.raises(ValueError, match="a DeviceMesh"):
         dpfast.distributed.fully_shard(Losses().to(DT), mesh="cpu")
     with pytest.raises(ValueError, match="inputs must be"):
         dpfast.distributed.fully_shard(Losses().to(DT), inputs="rows")
@@ -232,6 +236,10 @@ def _scenarios(world):
         kw = dict(out_dims=("mean", 0), reshard_after_forward=reshard)
         out[f"per_block_reshard_{reshard}"] = functools.partial(
             _train_vs_full_batch, Blocks, _xy_batches(7), _blocks_loss, kw, blocks=True
+        )
+    for shape in ((world, 1), (1, world)):
+        out[f"hsdp_mesh_{shape[0]}x{shape[1]}"] = functools.partial(
+            _train_vs_full_batch, Losses, _xy_batches(7), losses_loss, losses_kw, mesh_shape=shape
         )
     out["per_rank_inputs"] = functools.partial(
         _train_vs_full_batch, Losses, _xy_batches(7), losses_loss, losses_kw, per_rank_dims=0

@@ -58,21 +58,27 @@ def _torch_fully_shard() -> Callable[..., Any]:
     return torch_fully_shard
 
 
-def _mesh_of(mesh: Any) -> Any:
-    """The one-dimensional mesh the batch is split over: ``mesh``, or all ranks on the process group's device
-    (torch's own default follows whatever accelerator it finds, even where the process group is gloo's)."""
+def _mesh_and_group(mesh: Any) -> tuple[Any, Any]:
+    """The mesh for torch's ``fully_shard`` and the process group the batch is split over: ``mesh`` (default: all
+    ranks on the process group's device; torch's own default follows whatever accelerator it finds, even where the
+    process group is gloo's). A 2-D (HSDP) mesh replicates over one axis and shards over the other, and every one
+    of its ranks is a data-parallel rank: the batch is split over all of them, which must be every rank."""
     if mesh is None:
         from torch.distributed.device_mesh import init_device_mesh
 
         device = "cuda" if "nccl" in str(dist.get_backend()).lower() else "cpu"
-        return init_device_mesh(device, (dist.get_world_size(),))
-    if getattr(mesh, "ndim", None) != 1:
-        raise ValueError(
-            f"mesh must be a one-dimensional DeviceMesh (the ranks the batch is split over), got "
-            f"{getattr(mesh, 'ndim', type(mesh).__name__)} dimensions; for a 2-D (HSDP) mesh apply torch's "
-            "fully_shard and split the batch with dpfast.distributed.shard_batch over the data-parallel ranks"
-        )
-    return mesh
+        mesh = init_device_mesh(device, (dist.get_world_size(),))
+    ndim = getattr(mesh, "ndim", None)
+    if ndim == 1:
+        return mesh, mesh.get_group()
+    if ndim == 2 and mesh.mesh.numel() == dist.get_world_size():
+        return mesh, dist.group.WORLD
+    what = f"{ndim} dimensions over {mesh.mesh.numel()} of {dist.get_world_size()} ranks" if ndim else repr(mesh)
+    raise ValueError(
+        f"mesh must be a DeviceMesh of one dimension, or of two (HSDP: replicated x sharded) over every rank, got "
+        f"{what}; for another layout apply torch's fully_shard and split the batch with "
+        "dpfast.distributed.shard_batch over the data-parallel ranks"
+    )
 
 
 def fully_shard(
@@ -93,8 +99,9 @@ def fully_shard(
 
     Args:
         module: the root module. Blocks already passed to torch's ``fully_shard`` stay as they are.
-        mesh: a one-dimensional ``DeviceMesh`` over the ranks; ``None``: every rank, on the process group's device
-            (``"cuda"`` for NCCL, else ``"cpu"``).
+        mesh: a one-dimensional ``DeviceMesh`` over the ranks, or a two-dimensional one over every rank (HSDP:
+            replicated x sharded; the batch is split over all of them); ``None``: every rank, on the process
+            group's device (``"cuda"`` for NCCL, else ``"cpu"``).
         in_dims: as for :class:`dpfast.distributed.DistributedDataParallel`.
         out_dims: as for ``DistributedDataParallel``.
         dim: as for ``DistributedDataParallel``.
@@ -127,8 +134,7 @@ def fully_shard(
         )
     values = dict(inputs=inputs, in_dims=in_dims, out_dims=out_dims, dim=dim, chunk_sizes=chunk_sizes)
     values.update(cost=cost, gather_outputs=bool(gather_outputs), check_batch=check_batch)
-    mesh = _mesh_of(mesh)
-    pg = mesh.get_group()
+    mesh, pg = _mesh_and_group(mesh)
     try:
         if isinstance(module, _ShardedCall):
             raise ValueError(f"{NAME} was already applied to this module: apply it once, to the root")

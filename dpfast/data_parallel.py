@@ -233,7 +233,8 @@ class DataParallel(SettingsAttributes, nn.DataParallel):
             outputs = _run_leased(lease, lambda: run_replicas(lease.modules, inputs_per_replica, devices, self._pool,
                                                               lease.watch, hint))  # fmt: skip
         s, out_dims = self._settings_or_now(), self.out_dims
-        return gather_outputs(outputs, out_dims, self.dim, s.output_device, sizes, s.outputs_for(out_dims))
+        off_axis = plan.tree.program.off_axis
+        return gather_outputs(outputs, out_dims, self.dim, s.output_device, sizes, s.outputs_for(out_dims), off_axis)
 
     # -- torch.nn.DataParallel's hooks, with dpfast's semantics -----------------------------------------------------
 

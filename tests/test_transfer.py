@@ -113,13 +113,40 @@ def test_warns_when_output_batch_is_on_another_axis():
 
     dp = dpfast.DataParallel(StateOut(), device_ids=["cpu"] * 4, in_dims={"h": 1})
     x, h = torch.randn(8, 3), torch.randn(1, 8, 5)
-    with pytest.warns(UserWarning, match=r"output `output\[1\]`.*axis 1 carries the batch chunk sizes \[2, 2, 2, 2\]"):
+    with pytest.warns(
+        UserWarning, match=r"output `output\[1\]`.*axis 1 carries the batch chunk sizes \[2, 2, 2, 2\]"
+    ) as got:
         dp(x, h)
+    assert len(got) == 1, [str(w.message) for w in got]  # that one, not also the ambiguous-axis one
     right = dpfast.DataParallel(StateOut(), device_ids=["cpu"] * 4, in_dims={"h": 1}, out_dims=(0, 1))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         out = right(x, h)
     assert out[1].shape == h.shape
+
+
+def test_warns_when_the_concatenation_axis_is_ambiguous():
+    """A GRU state (layers, B, H) without out_dims, when each replica's chunk equals the layer count: axis 0
+    carries the chunk sizes too, so the concatenation runs, into (16, 4, 4) where the plain module gives
+    (4, 16, 4). The state went in on axis 1, so say that its axis 1 carries the chunk sizes as well."""
+    import warnings
+
+    import dpfast
+
+    torch.manual_seed(0)
+    gru = nn.GRU(3, 4, num_layers=4, batch_first=True)
+    x, hx = torch.randn(16, 5, 3), torch.randn(4, 16, 4)
+    dp = dpfast.DataParallel(gru, device_ids=["cpu"] * 4, in_dims={"hx": 1})
+    with pytest.warns(UserWarning, match=r"output `output\[1\]`.*axis 0.*axis 1 also carries the batch chunk sizes"):
+        out, h = dp(x, hx)
+    assert h.shape == (16, 4, 4)  # what was asked for, and what the warning is about
+    right = dpfast.DataParallel(gru, device_ids=["cpu"] * 4, in_dims={"hx": 1}, out_dims=(0, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, h = right(x, hx)
+        # a batch-first output whose feature axis equals the chunk size, with no input batched elsewhere: silent
+        dpfast.DataParallel(nn.Linear(3, 4), device_ids=["cpu"] * 4)(torch.randn(16, 3))
+    torch.testing.assert_close(h, gru(x, hx)[1])
 
 
 # ---- gathered outputs -----------------------------------------------------------------------------------------

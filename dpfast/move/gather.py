@@ -22,7 +22,7 @@ from ..trees.facts import inverse, memory_order
 from ..trees.flatten import unflatten
 from ..trees.specs import ITEMS, Leaf, Spec
 from ..trees.walk import walk
-from .gather_checks import check_concatenable, check_same_structure, warn_if_batch_elsewhere
+from .gather_checks import check_concatenable, check_same_structure, warn_ambiguous_axis, warn_if_batch_elsewhere
 from .nested import gather_jagged
 from .scatter import move, move_all
 
@@ -39,8 +39,11 @@ class GatherProgram:
         self.places = [(leaf._where, leaf.explicit) for leaf in leaves]  # for a record, when a leaf needs one
         self.plain = [k for k, s in enumerate(self.specs) if type(s) is int]
 
-    def run(self, columns: Sequence[list], device: torch.device, sizes: Sequence[int]) -> list:
-        """Every leaf combined from ``columns`` (replica ``r``'s leaf values: ``columns[r]``)."""
+    def run(
+        self, columns: Sequence[list], device: torch.device, sizes: Sequence[int], off_axis: frozenset = frozenset()
+    ) -> list:
+        """Every leaf combined from ``columns`` (replica ``r``'s leaf values: ``columns[r]``); ``off_axis``: the
+        call's inputs split on another axis than 0 (see :meth:`_warn_if_ambiguous`)."""
         n = len(self.specs)
         outs: list = [None] * n
         follows: list = [None] * n
@@ -48,6 +51,8 @@ class GatherProgram:
         if plain:
             picked = [[col[k] for k in plain] for col in columns] if len(plain) < n else columns
             done = ops._gather_many(picked, [self.specs[k] for k in plain], device, list(sizes))
+            if off_axis:
+                self._warn_if_ambiguous(columns, sizes, off_axis)
             if done is not None and done[2] and len(plain) == n:
                 return done[0]  # every leaf gathered, every one following the call's sizes
             if done is not None:
@@ -67,6 +72,30 @@ class GatherProgram:
                 outs[k] = _warned(leaf, out, values, sizes)
         return outs
 
+    def _warn_if_ambiguous(self, columns: Sequence[list], sizes: Sequence[int], off_axis: frozenset) -> None:
+        """A leaf under the default spec whose concatenation axis carries the chunk sizes, and so does an axis that
+        an input of its ndim was split on (a GRU state (layers, B, H) when each chunk is ``layers`` rows): it
+        concatenates silently into a wrong shape, so say so, as when only the other axis carries them."""
+        for k in self.plain:
+            where, explicit = self.places[k]
+            v = columns[0][k]
+            if explicit or not isinstance(v, Tensor) or v.dim() < 2:
+                continue
+            axis = self.specs[k] % v.dim()
+            values = [col[k] for col in columns]
+            if _sizes_along(values, axis) != list(sizes):
+                continue  # (not concatenated as the chunks: warn_if_batch_elsewhere's case)
+            for ndim, other in off_axis:
+                if ndim == v.dim() and other != axis and _sizes_along(values, other) == list(sizes):
+                    warn_ambiguous_axis(Leaf(where, v, self.specs[k], explicit, -1, k), axis, other, sizes)
+                    break
+
+
+def _sizes_along(values: list, axis: int) -> list[int] | None:
+    if any(not isinstance(v, Tensor) or v.dim() <= axis for v in values):
+        return None
+    return [v.shape[axis] for v in values]
+
 
 def gather_outputs(
     outputs: Sequence[Any],
@@ -75,6 +104,7 @@ def gather_outputs(
     device: torch.device,
     sizes: Sequence[int],
     programs: ProgramCache | None = None,
+    off_axis: frozenset = frozenset(),
 ) -> Any:
     """Combine the replicas' outputs leaf by leaf as ``out_dims`` says, onto ``device``.
 
@@ -85,6 +115,8 @@ def gather_outputs(
     weighted by each replica's share of the batch, so a per-sample-mean loss equals the full-batch mean even when
     the split is uneven. ``programs``: the gather programs of earlier outputs under this very ``out_dims`` and
     ``dim``, by key (outputs of a key seen before are gathered by its program, and a new key's is kept).
+    ``off_axis``: ``(ndim, axis)`` of the call's inputs split on an axis other than 0, where an output of that
+    ndim may hold its batch (a warning says so when its concatenation axis is then ambiguous).
     """
     spec, explicit = (dim if out_dims is None else out_dims), out_dims is not None
     # (a gather program depends on the outputs' structure only: the tensors' facts are checked as they are gathered)
@@ -100,7 +132,7 @@ def gather_outputs(
         program = GatherProgram(records)
         if same and programs is not None:
             programs.put(key, program)
-    return unflatten(walks[0][0], program.run([w[1] for w in walks], device, sizes))
+    return unflatten(walks[0][0], program.run([w[1] for w in walks], device, sizes, off_axis))
 
 
 def _weights(sizes: Sequence[int]) -> list[float]:

@@ -123,3 +123,17 @@ def warn_if_batch_elsewhere(leaf: Leaf, spec: int, axis: int, values: list, size
             UserWarning,
             stacklevel=4,
         )
+
+
+def warn_ambiguous_axis(leaf: Leaf, axis: int, other: int, sizes: Sequence[int]) -> None:
+    """Both ``axis`` (the concatenation axis) and ``other`` (one the call's inputs were split on) carry the chunk
+    sizes: the concatenation runs, and may not be what the plain module returns."""
+    warnings.warn(
+        f"output `{leaf.path}` is concatenated along axis {axis}, whose sizes across the replicas equal the batch "
+        f"chunk sizes {list(sizes)}, but its axis {other} also carries the batch chunk sizes, and an input was split "
+        f"on axis {other}; if the batch of `{leaf.path}` is on axis {other} (an RNN state (layers, B, H) whose "
+        f"layer count equals the chunk size), set out_dims for `{leaf.path}` to {other} (as given, the result has a "
+        "different shape than the plain module's); if it is on axis 0, set out_dims to 0 to say so",
+        UserWarning,
+        stacklevel=5,
+    )

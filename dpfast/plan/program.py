@@ -67,6 +67,15 @@ class ProgramCache:
                 break
 
 
+def _off_axis(value: Tensor, axis: Any) -> tuple[int, int] | None:
+    """``(ndim, axis)`` of a tensor split on an axis other than 0 (None otherwise, or when the axis is out of
+    range: that call is refused)."""
+    n = value.dim()
+    if not isinstance(axis, int) or not -n <= axis < n or axis % n == 0:
+        return None
+    return n, axis % n
+
+
 class CallProgram:
     """What planning decided about every leaf of the calls of one key.
 
@@ -74,10 +83,11 @@ class CallProgram:
     ``"tensor"``, ``"packed"``, ``"items"``, ``"jagged"``, ``"quantized"``; their argument ``args[k]``).
     ``groups``: the plain tensors that split, by (axis, memory order, device type), each moved by one
     ``ops.scatter``; ``copied``: tensors and PackedSequences copied whole to every device; ``special``: the other
-    splits, each moved by its own code. ``grad``: the tensors that require grad."""
+    splits, each moved by its own code. ``grad``: the tensors that require grad. ``off_axis``: ``(ndim, axis)`` of
+    the tensors split on an axis other than 0."""
 
     __slots__ = ("splitting", "mapped", "axes", "kinds", "args", "groups", "copied", "special", "grad",
-                 "all_one_group", "only_tensors", "n_leaves", "fingerprint")  # fmt: skip
+                 "all_one_group", "only_tensors", "n_leaves", "fingerprint", "off_axis")  # fmt: skip
 
     def __init__(self, tree: BoundArguments, devices: Sequence[torch.device]) -> None:
         leaves = tree.leaves  # the call walked again, a record per leaf
@@ -112,6 +122,8 @@ class CallProgram:
         self.all_one_group = one and len(self.groups[0][1]) == len(leaves)
         self.only_tensors = all(k == "tensor" for k in self.kinds) and None not in self.axes
         self.fingerprint: int | None = None  # what DDP's ranks compare of this key, made at its first step there
+        # an output of that ndim whose axis also carries the chunk sizes may hold its batch there
+        self.off_axis = frozenset(_off_axis(m.value, m.axis) for m in mapped if m.split == "tensor") - {None}
 
     def mark(self, leaves: list[Leaf]) -> None:
         """Planning's marks (how each leaf splits, its size there) on the records of a call of this key."""

@@ -17,7 +17,7 @@ $(VENV)/.deps: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip "setuptools>=77" wheel
 	$(PY) -m pip install -q "torch>=2.4" ninja build pytest hypothesis expecttest numpy matplotlib ruff transformers accelerate torchvision mypy \
-		opacus torchmetrics diffusers torch_geometric lightning
+		opacus torchmetrics diffusers torch_geometric lightning pytorch-forecasting
 	$(PY) -m pip install -q mkdocs mkdocs-material "mkdocstrings[python]"  # make docs (the site, offline)
 	touch $@
 

@@ -142,3 +142,36 @@ def test_the_fix_for_a_field_of_a_dataclass_names_that_field_only():
     assert fix == {"x_in": {"state": 1}}
     out = dpfast.DataParallel(First(), ["cpu"] * 2, in_dims=fix)(x)
     torch.testing.assert_close(out, x.a)
+
+
+def test_the_fix_for_darts_module_input_names_the_state_only():
+    """darts' PLModuleInput (darts 0.48, tried by hand): its unset covariates are None and its stage an Enum.
+    Those came back in the fix as ``None`` each (7 entries) though the default passes them whole as it is."""
+    import dataclasses
+    import enum
+
+    class Stage(enum.Enum):
+        PREDICT = "pred"
+
+    @dataclasses.dataclass
+    class ModuleInput:
+        past_target: torch.Tensor
+        past_covariates: torch.Tensor | None = None
+        future_covariates: torch.Tensor | None = None
+        state: tuple | None = None
+        stage: Stage = Stage.PREDICT
+
+    class Rnn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = nn.LSTM(1, 4, num_layers=2, batch_first=True)
+
+        def forward(self, x_in):
+            return self.lstm(x_in.past_target, x_in.state)[0]
+
+    torch.manual_seed(0)
+    net = Rnn()
+    x = ModuleInput(torch.randn(8, 6, 1), state=(torch.randn(2, 8, 4), torch.randn(2, 8, 4)))
+    [(_, fix)] = _offered(_error(dpfast.DataParallel(net, ["cpu"] * 2), x))
+    assert fix == {"x_in": {"state": 1}}
+    torch.testing.assert_close(dpfast.DataParallel(net, ["cpu"] * 2, in_dims=fix)(x), net(x))

@@ -229,9 +229,13 @@ def test_dataclass_spec_errors():
     with pytest.raises(
         dpfast.ScatterError,
         match=r"(?s)b\.mask .* \(3, 3\).*suggested fix: DataParallel\(\.\.\., "
-        r"in_dims=\{'b': \{'mask': None, 'tag': None\}\}\)",  # (x under the default dim 0: no entry)
+        r"in_dims=\{'b': \{'mask': None\}\}\)",  # (x under the default dim 0, tag a str it passes whole: no entry)
     ):
         dp(Batch(torch.randn(4, 3), torch.randn(3, 3)))
+    net, batch = DCModel(), Batch(torch.randn(4, 3), torch.randn(3, 3))
+    got = dpfast.DataParallel(net, ["cpu"] * 2, in_dims={"b": {"mask": None}})(batch)
+    torch.testing.assert_close(got.y, net(batch).y)  # the fix runs, as the plain module does
+    assert got.tag == batch.tag
 
 
 def _output_class(kind: str, fields: tuple[str, ...]) -> type:

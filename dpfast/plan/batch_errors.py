@@ -3,6 +3,8 @@ marked, and an ``in_dims`` that would fix the call (or why none can). Pure text:
 
 from __future__ import annotations
 
+import enum
+import numbers
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -214,13 +216,26 @@ def _suggested_spec(tdef: TreeDef, leaf_specs: list[Spec], batch: int | None, de
         if not items_below and all(is_leaf_spec(s) for s in specs) and len(set(map(repr, specs))) == 1:
             return specs[0], False
         if node.kind in ("dict", "dataclass", "object"):
-            named = {k: spec for k, spec in zip(node.keys, specs) if not (is_leaf_spec(spec) and spec == default)}
+            values = node.orig_values if len(node.orig_values) == len(specs) else (_TENSOR,) * len(specs)
+            named = {k: s for k, s, v in zip(node.keys, specs, values) if not _as_unnamed(s, v, default)}
             return (named or default), items_below
         if node.kind == "pytree" and not all(isinstance(k, int) for k in node.keys):
             return dict(zip(key_names(node.kind, node.keys), specs)), items_below
         return tuple(specs), items_below
 
     return fold(tdef, ((s, False) for s in leaf_specs), combine)[0]
+
+
+_TENSOR = object()  # (a child whose value is not known: named whenever its spec is not the default)
+
+
+def _as_unnamed(spec: Spec, value: Any, default: Spec) -> bool:
+    """An entry a dict's, dataclass's or object's spec need not name: its spec is the default, or it is ``None``
+    for a plain value (``None``, a number, a string, an Enum: darts' unset covariates and its stage), which the
+    default passes whole too, an inherited spec being no explicit one."""
+    if not is_leaf_spec(spec):
+        return False
+    return spec == default or (spec is None and (value is None or isinstance(value, (numbers.Number, str, enum.Enum))))
 
 
 def _is_items_list(tdef: TreeDef, batch: int | None) -> bool:

@@ -40,7 +40,7 @@ from .group import RankGroup
 from .inputs import Share, per_rank_share, plan_rank_call, rank_call, through_input_grads
 from .output_layout import ExchangeLayouts
 from .outputs import OutputsCall, gather_across_ranks
-from .settings import FIXED, agree_on_settings, check_settings, describe_settings, torch_ddp_kwargs
+from .settings import FIXED, agreed_settings, check_settings, torch_ddp_kwargs
 from .torch_ddp_methods import TorchDDPMethods
 
 # the names torch's DistributedDataParallel.forward uses: the steps _ddp_forward copies, and the label
@@ -136,19 +136,14 @@ class DistributedDataParallel(TorchDDPMethods, EmptyRankSteps, nn.parallel.Distr
         values.update(cost=cost, gather_outputs=bool(gather_outputs), check_batch=check_batch)
         ready = dist.is_available() and dist.is_initialized()
         pg = ddp_kwargs.get("process_group")
-        try:  # everything about the settings is checked before torch's DDP broadcasts anything
-            specs, cost_spec, weights = check_settings(module, values, pg if ready else None)
-        except (TypeError, ValueError) as exc:
-            if not ready:
-                raise
-            agree_on_settings(pg, None, exc)
-            raise
         if not ready:
+            check_settings(module, values, None)  # a mistake in the settings is named first
             raise RuntimeError(
                 "dpfast.DistributedDataParallel needs torch.distributed: call "
                 "torch.distributed.init_process_group(...) first (torchrun sets the environment for it)"
             )
-        agree_on_settings(pg, describe_settings(values, specs.signature_text), None)
+        # everything about the settings is checked before torch's DDP broadcasts anything
+        specs, cost_spec, weights = agreed_settings(module, values, pg)
         super().__init__(module, device_ids=device_ids, output_device=output_device, dim=dim, **ddp_kwargs)
         for name in FIXED:
             setattr(self, name, values[name])

@@ -10,7 +10,7 @@ are fixed afterwards: assigning one raises.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -95,6 +95,23 @@ def check_settings(module: Any, values: dict[str, Any], process_group: Any) -> t
     if dist.is_available() and dist.is_initialized():
         weights = rank_weights(values["chunk_sizes"], dist.get_world_size(process_group))
     return specs, cost_spec, weights
+
+
+def agreed_settings(
+    module: Any, values: dict[str, Any], process_group: Any, name: str = NAME, also: Callable[[], None] | None = None
+) -> tuple:
+    """:func:`check_settings` on this rank (and ``also``, a check of the wrapper's own), then
+    :func:`agree_on_settings`: the checked settings once every rank built the same valid ones. A rank whose
+    settings are invalid still takes part, so that the others do not wait for it."""
+    try:
+        if also is not None:
+            also()
+        checked = check_settings(module, values, process_group)
+    except (TypeError, ValueError) as exc:
+        agree_on_settings(process_group, None, exc, name)
+        raise
+    agree_on_settings(process_group, describe_settings(values, checked[0].signature_text), None, name)
+    return checked
 
 
 def agree_on_settings(

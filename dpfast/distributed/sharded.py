@@ -42,7 +42,7 @@ from .group import RankGroup
 from .inputs import RankCall, plan_rank_call, rank_call, through_input_grads
 from .output_layout import ExchangeLayouts
 from .outputs import OutputsCall, gather_across_ranks
-from .settings import agree_on_settings, check_settings, describe_settings
+from .settings import agreed_settings
 
 NAME = "dpfast.distributed.fully_shard"
 
@@ -135,14 +135,12 @@ def fully_shard(
     values = dict(inputs=inputs, in_dims=in_dims, out_dims=out_dims, dim=dim, chunk_sizes=chunk_sizes)
     values.update(cost=cost, gather_outputs=bool(gather_outputs), check_batch=check_batch)
     mesh, pg = _mesh_and_group(mesh)
-    try:
+
+    def not_twice() -> None:
         if isinstance(module, _ShardedCall):
             raise ValueError(f"{NAME} was already applied to this module: apply it once, to the root")
-        specs, cost_spec, weights = check_settings(module, values, pg)
-    except (TypeError, ValueError) as exc:
-        agree_on_settings(pg, None, exc, NAME)
-        raise
-    agree_on_settings(pg, describe_settings(values, specs.signature_text), None, NAME)
+
+    specs, cost_spec, weights = agreed_settings(module, values, pg, NAME, not_twice)
     torch_fully_shard(module, mesh=mesh, **fully_shard_kwargs)
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
     comm = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
@@ -171,18 +169,12 @@ class _ShardedCall:
         return calls.after(outputs, part)
 
 
-# one class per FSDP class, as torch's fully_shard keeps one FSDP class per module class
-_SHARDED_CLASSES: dict[type, type] = {}
-
-
 def _sharded_class(fsdp_class: type) -> type:
-    made = _SHARDED_CLASSES.get(fsdp_class)
-    if made is None:
-        # FSDPModule.__new__ finds the module's own class (for slicing a container) by its place in the MRO
-        index = getattr(fsdp_class, "_orig_cls_mro_index", 2) + 2
-        attrs = {"_orig_cls_mro_index": index, "__module__": fsdp_class.__module__}
-        made = _SHARDED_CLASSES[fsdp_class] = type(fsdp_class.__name__, (_ShardedCall, fsdp_class), attrs)
-    return made
+    """The FSDP class with the level above, made for each sharded root (one a model: no table of classes)."""
+    # FSDPModule.__new__ finds the module's own class (for slicing a container) by its place in the MRO
+    index = getattr(fsdp_class, "_orig_cls_mro_index", 2) + 2
+    attrs = {"_orig_cls_mro_index": index, "__module__": fsdp_class.__module__}
+    return type(fsdp_class.__name__, (_ShardedCall, fsdp_class), attrs)
 
 
 @dataclasses.dataclass

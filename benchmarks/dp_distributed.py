@@ -285,25 +285,31 @@ def _worker(rank: int, world: int, port: int, outdir: str, budget_s: float, roun
             raw["counts"] = _counted(_steps(count=True))
             raw["many"] = _timed(_many_tensors(tiny), budget_s, rounds)
         if rank == 0:
-            with open(os.path.join(outdir, "ddp.json"), "w") as f:
+            with open(os.path.join(outdir, "result.json"), "w") as f:
                 json.dump(raw, f)
     finally:
         dist.destroy_process_group()
 
 
 def _spawned(world: int, budget_s: float, rounds: int, tiny: int) -> dict:
-    """Rank 0's results of :func:`_worker` on ``world`` spawned ranks (killed if they overrun)."""
+    """Rank 0's results of :func:`_worker` on ``world`` spawned ranks."""
+    return spawn_ranks(_worker, world, budget_s, rounds, tiny)
+
+
+def spawn_ranks(target, world: int, budget_s: float, *args) -> dict:
+    """What rank 0 of ``world`` spawned ranks ``target(rank, world, port, outdir, budget_s, *args)`` wrote to
+    ``outdir/result.json`` (the ranks are killed if they overrun)."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as outdir:
-        args = (world, _free_port(), outdir, budget_s, rounds, tiny)
-        procs = [ctx.Process(target=_worker, args=(r, *args)) for r in range(world)]
+        common = (world, _free_port(), outdir, budget_s, *args)
+        procs = [ctx.Process(target=target, args=(r, *common)) for r in range(world)]
         for p in procs:
             p.start()
         for p in procs:
             p.join(30 * budget_s + 120)
             if p.is_alive():
                 p.kill()
-        with open(os.path.join(outdir, "ddp.json")) as f:
+        with open(os.path.join(outdir, "result.json")) as f:
             return json.load(f)
 
 

@@ -20,15 +20,13 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import tempfile
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from dp_distributed import BATCH, WORLD, _free_port, _mlp, _ratio, _timed
+from dp_distributed import BATCH, WORLD, _mlp, _ratio, _timed, spawn_ranks
 
 import dpfast.distributed
 from dpfast.distributed import shard_range
@@ -88,7 +86,7 @@ def _worker(rank: int, world: int, port: int, outdir: str, budget_s: float, roun
     try:
         samples = _timed(_steps(), budget_s, rounds)
         if rank == 0:
-            with open(os.path.join(outdir, "fsdp.json"), "w") as f:
+            with open(os.path.join(outdir, "result.json"), "w") as f:
                 json.dump(samples, f)
     finally:
         dist.destroy_process_group()
@@ -96,18 +94,7 @@ def _worker(rank: int, world: int, port: int, outdir: str, budget_s: float, roun
 
 def _spawned(world: int, budget_s: float, rounds: int) -> dict:
     """Seconds per step of every variant on ``world`` spawned ranks, and the ratios of RATIOS."""
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as outdir:
-        args = (world, _free_port(), outdir, budget_s, rounds)
-        procs = [ctx.Process(target=_worker, args=(r, *args)) for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(30 * budget_s + 120)
-            if p.is_alive():
-                p.kill()
-        with open(os.path.join(outdir, "fsdp.json")) as f:
-            samples = json.load(f)
+    samples = spawn_ranks(_worker, world, budget_s, rounds)
     return {
         "seconds": {k: statistics.median(v) for k, v in samples.items()},
         "ratios": {f"{a}/{b}": _ratio(samples, a, b) for a, b in RATIOS},

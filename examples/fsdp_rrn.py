@@ -21,35 +21,20 @@ import argparse
 import copy
 import os
 import sys
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
 import dpfast.distributed
 
 try:
-    from .rrn import IN_DIMS, OUT_DIMS, Call, Config, build_model, make_batch, reason
+    from .ddp_rrn import loss_of, setup
+    from .rrn import IN_DIMS, OUT_DIMS, Config, build_model, make_batch, reason
 except ImportError:  # run as a script: torchrun examples/fsdp_rrn.py
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from rrn import IN_DIMS, OUT_DIMS, Call, Config, build_model, make_batch, reason  # type: ignore[import-not-found,no-redef]
-
-
-def setup() -> torch.device:
-    if "RANK" not in os.environ:  # plain `python examples/fsdp_rrn.py`: a group of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29514")
-    local_rank = int(os.environ["LOCAL_RANK"])
-    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() > local_rank
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=60))
-    return torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-
-
-def loss_of(results: list[Call], target: Tensor, output_dim: int) -> Tensor:
-    return torch.stack([F.cross_entropy(o.reshape(-1, output_dim), target.reshape(-1)) for o, _, _ in results]).sum()
+    from ddp_rrn import loss_of, setup  # type: ignore[import-not-found,no-redef]
+    from rrn import IN_DIMS, OUT_DIMS, Config, build_model, make_batch, reason  # type: ignore[import-not-found,no-redef]
 
 
 def shard(model: torch.nn.Module) -> torch.nn.Module:

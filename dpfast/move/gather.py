@@ -52,7 +52,7 @@ class GatherProgram:
             picked = [[col[k] for k in plain] for col in columns] if len(plain) < n else columns
             done = ops._gather_many(picked, [self.specs[k] for k in plain], device, list(sizes))
             if off_axis:
-                self._warn_if_ambiguous(columns, sizes, off_axis)
+                self._warn_if_ambiguous(columns, sizes, off_axis, done[1] if done is not None else None)
             if done is not None and done[2] and len(plain) == n:
                 return done[0]  # every leaf gathered, every one following the call's sizes
             if done is not None:
@@ -72,18 +72,22 @@ class GatherProgram:
                 outs[k] = _warned(leaf, out, values, sizes)
         return outs
 
-    def _warn_if_ambiguous(self, columns: Sequence[list], sizes: Sequence[int], off_axis: frozenset) -> None:
+    def _warn_if_ambiguous(
+        self, columns: Sequence[list], sizes: Sequence[int], off_axis: frozenset, follows: Sequence[bool] | None
+    ) -> None:
         """A leaf under the default spec whose concatenation axis carries the chunk sizes, and so does an axis that
         an input of its ndim was split on (a GRU state (layers, B, H) when each chunk is ``layers`` rows): it
-        concatenates silently into a wrong shape, so say so, as when only the other axis carries them."""
-        for k in self.plain:
+        concatenates silently into a wrong shape, so say so, as when only the other axis carries them.
+        ``follows``: per plain leaf, whether its concatenation axis carries the chunk sizes, as the extension's
+        gather found (None: read here)."""
+        for i, k in enumerate(self.plain):
             where, explicit = self.places[k]
             v = columns[0][k]
-            if explicit or not isinstance(v, Tensor) or v.dim() < 2:
+            if explicit or not isinstance(v, Tensor) or v.dim() < 2 or (follows is not None and not follows[i]):
                 continue
             axis = self.specs[k] % v.dim()
             values = [col[k] for col in columns]
-            if _sizes_along(values, axis) != list(sizes):
+            if follows is None and _sizes_along(values, axis) != list(sizes):
                 continue  # (not concatenated as the chunks: warn_if_batch_elsewhere's case)
             for ndim, other in off_axis:
                 if ndim == v.dim() and other != axis and _sizes_along(values, other) == list(sizes):

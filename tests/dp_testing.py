@@ -240,6 +240,16 @@ class Losses(nn.Module):
         return F.mse_loss(pred, y), ((pred - y) ** 2).sum(), pred
 
 
+class NoEmpty(Losses):
+    """Refuses an empty batch (like BatchNorm in training mode does for B = 1): a rank without rows runs a ghost
+    sample instead."""
+
+    def forward(self, x, y):
+        if x.shape[0] == 0:
+            raise RuntimeError("NoEmpty cannot run on an empty batch")
+        return super().forward(x, y)
+
+
 class PackedLSTM(nn.Module):
     """A 2-layer LSTM taking a PackedSequence (and an optional state)."""
 

@@ -31,7 +31,7 @@ from ddp_harness import (
     rrn_loss,
     xy,
 )
-from dp_testing import DT, Contrastive, Losses
+from dp_testing import DT, Contrastive, Losses, NoEmpty
 
 BATCHES = {2: (5, 1), 3: (7, 2)}  # not divisible by the world size, and smaller than it
 
@@ -57,15 +57,6 @@ SORTED_LENGTHS = [9.0, 5.0, 3.0, 2.0, 1.0, 1.0, 1.0]  # sorted, as packed batche
 def _lengthsxy():
     g = torch.Generator().manual_seed(300)
     return torch.randn(len(SORTED_LENGTHS), 4, dtype=DT, generator=g), torch.tensor(SORTED_LENGTHS, dtype=DT)
-
-
-class NoEmpty(Losses):
-    """Refuses an empty batch (like BatchNorm in training mode does for B = 1): exercises the ghost fallback."""
-
-    def forward(self, x, y):
-        if x.shape[0] == 0:
-            raise RuntimeError("NoEmpty cannot run on an empty batch")
-        return super().forward(x, y)
 
 
 def _leaf_copies(inputs):

@@ -16,20 +16,11 @@ import dpfast
 from dpfast.distributed import shard_batch
 
 from ddp_harness import RRN, GroupRuns, assert_tree_close, expect_batch_error, losses_loss, rrn_inputs, rrn_loss, xy
-from dp_testing import DT, Losses
+from dp_testing import DT, Losses, NoEmpty
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 if not hasattr(fsdp, "fully_shard"):
     pytest.skip("FSDP2 is torch.distributed.fsdp.fully_shard from torch 2.6", allow_module_level=True)
-
-
-class NoEmpty(Losses):
-    """Refuses an empty batch: a rank without rows runs a ghost sample instead."""
-
-    def forward(self, x, y):
-        if x.shape[0] == 0:
-            raise RuntimeError("NoEmpty cannot run on an empty batch")
-        return super().forward(x, y)
 
 
 class Blocks(nn.Module):

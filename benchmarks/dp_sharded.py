@@ -12,7 +12,8 @@ cross-entropy, backward, the variants timed in turns step by step in an order dr
   the full batch; ``dpfast gather``: ``gather_outputs=True``, the loss on the gathered outputs.
 
 Target: ``dpfast`` <= 1.10x ``torch`` and ``dpfast gather`` <= 1.10x ``torch+gather``. As for DDP, every variant is
-also timed on one rank (a group of one), where the wrapper's cost is not hidden in a peer's latency.
+also timed on one rank (a group of one, where the check runs no collective), where the wrapper's cost is not
+hidden in a peer's latency.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ rank, on any step, and the module still trains afterwards."""
 from __future__ import annotations
 
 import functools
+from unittest import mock
 
 import pytest
 import torch
@@ -13,7 +14,10 @@ import torch.distributed as dist
 from torch import nn
 
 import dpfast
-from dpfast.distributed import shard_batch
+from dpfast.distributed import DistributedBatchError, shard_batch
+from dpfast.distributed.agreement import StepRecord, agree_now
+from dpfast.distributed.disagreement import CANNOT_PLAN, OK
+from dpfast.distributed.group import RankGroup
 
 from ddp_harness import RRN, GroupRuns, assert_tree_close, expect_batch_error, losses_loss, rrn_inputs, rrn_loss, xy
 from dp_testing import DT, Losses, NoEmpty
@@ -144,6 +148,30 @@ def _disagreements(world, gather):
     net(x, y)[0].backward()  # still trains: nothing ran past FSDP's hook on the failed calls
 
 
+def _checks_on_the_host(world):
+    """The check's result is read before each forward, so its buffers are on the host: a CUDA mesh's group that
+    takes CPU tensors serves with CPU buffers, and one without gloo gets a gloo group of the same ranks (made here
+    with the backend reported as NCCL's), over which a disagreement raises on every rank. A group of one checks
+    without a collective, and still raises for a call that cannot be planned."""
+    rank = dist.get_rank()
+    cuda_side = RankGroup(dist.group.WORLD, rank, world, torch.device("cuda", 0))
+    served = cuda_side.on_host()
+    assert served.process_group is dist.group.WORLD and served.comm_device == torch.device("cpu")
+    with mock.patch.object(dist, "get_backend", return_value="nccl"):
+        made = cuda_side.on_host()
+    assert made.process_group is not dist.group.WORLD and made.comm_device == torch.device("cpu")
+    assert dist.get_backend(made.process_group) == "gloo"
+    agree_now(made.process_group, made.comm_device, [StepRecord(OK, None, {"B": "5"})])
+    b_differs = [StepRecord(OK, None, {"B": str(5 + rank)})]
+    expect_batch_error(lambda: agree_now(made.process_group, made.comm_device, b_differs), ["B"])
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    with mock.patch.object(dist, "all_gather", side_effect=AssertionError("a collective on a group of one")):
+        agree_now(alone, torch.device("cpu"), [StepRecord(OK, None, {"B": "5"})])
+    unplannable = StepRecord(CANNOT_PLAN, ValueError("in_dims names no argument"), {})
+    with pytest.raises(DistributedBatchError, match="in_dims names no argument"):
+        agree_now(alone, torch.device("cpu"), [unplannable])
+
+
 def _settings_disagree(world):
     net = Losses().to(DT)
     in_dims = {"x": 0} if dist.get_rank() == 0 else None
@@ -248,6 +276,7 @@ def _scenarios(world):
     out["disagreements_gathered"] = functools.partial(_disagreements, world, True)
     out["disagreements_local"] = functools.partial(_disagreements, world, False)
     out["settings_disagree"] = functools.partial(_settings_disagree, world)
+    out["checks_on_the_host"] = functools.partial(_checks_on_the_host, world)
     out["refusals"] = functools.partial(_refusals, world)
     out["outputs_need_grad_on_some_ranks_only"] = functools.partial(_outputs_need_grad_on_some_ranks_only, world)
     out["default_mesh"] = functools.partial(_default_mesh, world)

@@ -188,15 +188,20 @@ def agree_now(
 ) -> None:
     """A blocking check (one small all-gather): return when every rank's records match, else raise on every rank.
     Used for the first call and where no collective of the step can carry the check. ``alongside`` issues
-    another collective while the check's is in flight, so that their round trips overlap."""
+    another collective while the check's is in flight, so that their round trips overlap. A group of one has
+    nobody to disagree with: its own status is read, and no collective runs."""
     world = dist.get_world_size(group)
-    mine = torch.tensor(chain_row(records), dtype=torch.int64, device=comm_device)
-    rows_t = [torch.empty_like(mine) for _ in range(world)]
-    work = dist.all_gather(rows_t, mine, group=group, async_op=alongside is not None)
-    if alongside is not None:
-        alongside()
-        work.wait()
-    rows = [t.tolist() for t in rows_t]
+    mine = chain_row(records)
+    if world == 1:
+        rows = [mine]
+    else:
+        mine_t = torch.tensor(mine, dtype=torch.int64, device=comm_device)
+        rows_t = [torch.empty_like(mine_t) for _ in range(world)]
+        work = dist.all_gather(rows_t, mine_t, group=group, async_op=alongside is not None)
+        if alongside is not None:
+            alongside()
+            work.wait()
+        rows = [t.tolist() for t in rows_t]
     if not rows_agree(rows):
         raise_disagreement(group, records, rows, name)
 

@@ -23,6 +23,20 @@ class RankGroup:
     world: int
     comm_device: torch.device
 
+    def on_host(self) -> RankGroup:
+        """The same ranks with CPU buffers, for a check whose result the host reads at once: reading a CUDA result
+        waits for every kernel queued before it (the last step's backward and optimizer step). A process group
+        whose backend takes CPU tensors (gloo, or ``"cpu:gloo,cuda:nccl"``) serves as it is; otherwise a gloo group
+        of the same ranks is made, by those ranks together."""
+        host = torch.device("cpu")
+        if self.comm_device.type == "cpu":
+            return self
+        if "gloo" in str(dist.get_backend(self.process_group)):
+            return dataclasses.replace(self, comm_device=host)
+        ranks = dist.get_process_group_ranks(self.process_group)
+        pg = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        return dataclasses.replace(self, process_group=pg, comm_device=host)
+
 
 def rank_world(rank: int | None, world_size: int | None, group=None) -> tuple[int, int]:
     if rank is None or world_size is None:

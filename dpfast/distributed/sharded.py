@@ -10,7 +10,9 @@ runs around torch's (its forward hooks included), on every rank:
    must raise before it. The check is one small all-gather per forward (``check_batch=False`` skips it): FSDP2 has
    no collective ahead of its hook that could carry it, as DDP's first gradient bucket does, so FSDP's all-gather
    of the root's parameters (``unshard(async_op=True)``, which its hook then waits for) is started while the
-   check's is in flight, and their round trips overlap.
+   check's is in flight, and their round trips overlap. The check's buffers are on the host (over a gloo group of
+   the same ranks where the mesh's backend is NCCL alone): the host reads its result at once, and reading a CUDA
+   result would first wait for every kernel the last step queued. A group of one checks without a collective.
 2. Run this rank's rows through torch's call (FSDP's all-gather, the module, its pre-backward hooks). A rank with
    no rows of the global batch runs a ghost at once: the batch's first sample, whose outputs and gradients count
    as nothing (:mod:`dpfast.distributed.empty_ranks`). Not its empty share first, as under DDP: a module that
@@ -191,7 +193,8 @@ class _ShardedCalls:
     record: StepRecord | None = None  # the last forward's, which fails when its module raises
 
     def __post_init__(self) -> None:
-        self.checks = StepChecks(self.group, enabled=bool(self.values["check_batch"]), name=NAME)
+        check_group = self.group.on_host() if self.values["check_batch"] else self.group  # read before each forward
+        self.checks = StepChecks(check_group, enabled=bool(self.values["check_batch"]), name=NAME)
 
     # the split, the check and the gather run as they are under torch.compile (graph breaks around the module's
     # forward, which is compiled): they are collectives and Python bookkeeping that tracing cannot hold

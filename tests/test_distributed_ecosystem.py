@@ -2,8 +2,9 @@
 model on the whole batch in one process: a tiny Hugging Face BERT (ModelOutput with its loss, logits and hidden
 states; padded attention masks; the global batch, and each rank's own rows) and a torchvision ResNet-18 in
 channels_last with dpfast's SyncBatchNorm (training-mode statistics over the ranks' uneven shares) returning its
-feature maps through torchvision's feature extractor. Nothing is
-downloaded; float64, no dropout.
+feature maps through torchvision's feature extractor; and the BERT under FSDP2 as HF's recipe shards it (torch's
+``fully_shard`` per layer, ``dpfast.distributed.fully_shard`` on the root). Nothing is downloaded; float64, no
+dropout.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.fsdp
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
@@ -87,6 +89,49 @@ def _bert_equals_the_full_batch(inputs: str) -> None:
             assert_tree_close(ddp(**given).to_tuple(), expected.to_tuple(), f"outputs after {sorted(change)}")
 
 
+def _bert_under_fsdp2(inputs: str) -> None:
+    """The HF recipe for FSDP2 (torch's ``fully_shard`` on each ``BertLayer``, then dpfast's on the root) with
+    gathered outputs: two SGD steps whose ModelOutput, gradients (``full_tensor()``) and parameters are the whole
+    batch's in one process, then a call that changes the outputs' structure."""
+    from torch.distributed import fsdp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    module, ref = _bert(), _bert()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in module.bert.encoder.layer:
+        fsdp.fully_shard(layer, mesh=mesh)
+    net = dpfast.distributed.fully_shard(
+        module, mesh=mesh, inputs=inputs, gather_outputs=True, out_dims={"loss": "mean"}
+    )
+    batch = _bert_batch()
+    given = batch if inputs == "global" else shard_batch(batch, in_dims={"output_hidden_states": None})
+    opt, opt_ref = torch.optim.SGD(net.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(2):
+        with solo_context():
+            expected = ref(**batch)
+        out = net(**given)
+        assert type(out) is type(expected) and list(out.keys()) == ["loss", "logits", "hidden_states"]
+        assert_tree_close(out.to_tuple(), expected.to_tuple(), f"step {step} gathered outputs")
+        expected.loss.backward()
+        out.loss.backward()
+        for (name, p), (_, q) in zip(net.named_parameters(), ref.named_parameters()):
+            full = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            what = f"step {step} grad of {name}"
+            torch.testing.assert_close(full, q.grad, msg=lambda m, what=what: f"{what}: {m}")
+        for o in (opt, opt_ref):
+            o.step()
+            o.zero_grad()
+    for (name, p), (_, q) in zip(net.named_parameters(), ref.named_parameters()):
+        full = p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
+        torch.testing.assert_close(full, q.detach(), msg=lambda m, name=name: f"trained {name}: {m}")
+    with torch.no_grad():
+        changed = dict(batch, output_hidden_states=False)
+        with solo_context():
+            expected = ref(**changed)
+        given = changed if inputs == "global" else shard_batch(changed, in_dims={"output_hidden_states": None})
+        assert_tree_close(net(**given).to_tuple(), expected.to_tuple(), "outputs without hidden states")
+
+
 def _resnet_sync_batchnorm_channels_last() -> None:
     """Two training steps of a channels_last ResNet-18 whose BatchNorms are dpfast's SyncBatchNorm, returning its
     layer2 feature maps beside the logits (torchvision's feature extractor): the gathered maps (channels_last) and
@@ -127,11 +172,15 @@ def _resnet_sync_batchnorm_channels_last() -> None:
 
 
 def _scenarios(world):
-    return {
+    out = {
         "bert_global_batch": lambda: _bert_equals_the_full_batch("global"),
         "bert_per_rank_rows": lambda: _bert_equals_the_full_batch("per_rank"),
         "resnet18_features_sync_batchnorm_channels_last": _resnet_sync_batchnorm_channels_last,
     }
+    if hasattr(torch.distributed.fsdp, "fully_shard"):  # FSDP2, from torch 2.6
+        out["bert_fsdp2_per_layer_global_batch"] = lambda: _bert_under_fsdp2("global")
+        out["bert_fsdp2_per_layer_per_rank_rows"] = lambda: _bert_under_fsdp2("per_rank")
+    return out
 
 
 RUNS = GroupRuns(_scenarios, worlds=(2,))

@@ -11,6 +11,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 from torch import nn
 
 import dpfast
@@ -148,6 +149,31 @@ def _disagreements(world, gather):
     net(x, y)[0].backward()  # still trains: nothing ran past FSDP's hook on the failed calls
 
 
+def _new_weights_after_a_failed_check(world, gather):
+    """A failed check leaves no stale all-gather behind: FSDP's unshard of the root, started alongside the check,
+    is undone, so the forward after an optimizer step sees the new weights."""
+    torch.manual_seed(0)
+    ref = nn.Linear(3, 2).to(DT)
+    torch.manual_seed(0)
+    net = dpfast.distributed.fully_shard(nn.Linear(3, 2).to(DT), mesh=_mesh(), gather_outputs=gather)
+    opt, opt_ref = torch.optim.SGD(net.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    x = torch.arange(18, dtype=DT).reshape(6, 3) / 10
+    rank = dist.get_rank()
+    for step in range(3):
+        out, want = net(x), ref(x)
+        if not gather:
+            out = torch.cat(dist_nn.all_gather(out))
+        assert_tree_close(out, want, f"step {step} outputs")
+        out.sum().backward()
+        want.sum().backward()
+        expect_batch_error(lambda: net(x if rank == 0 else x[:5]), ["B"])  # between backward and the update
+        for o in (opt, opt_ref):
+            o.step()
+            o.zero_grad()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(_full(p.detach()), q.detach())
+
+
 def _checks_on_the_host(world):
     """The check's result is read before each forward, so its buffers are on the host: a CUDA mesh's group that
     takes CPU tensors serves with CPU buffers, and one without gloo gets a gloo group of the same ranks (made here
@@ -277,6 +303,10 @@ def _scenarios(world):
     out["disagreements_local"] = functools.partial(_disagreements, world, False)
     out["settings_disagree"] = functools.partial(_settings_disagree, world)
     out["checks_on_the_host"] = functools.partial(_checks_on_the_host, world)
+    for gather in (True, False):
+        out[f"new_weights_after_a_failed_check_gather_{gather}"] = functools.partial(
+            _new_weights_after_a_failed_check, world, gather
+        )
     out["refusals"] = functools.partial(_refusals, world)
     out["outputs_need_grad_on_some_ranks_only"] = functools.partial(_outputs_need_grad_on_some_ranks_only, world)
     out["default_mesh"] = functools.partial(_default_mesh, world)

@@ -207,13 +207,20 @@ class _ShardedCalls:
         per_rank = v["inputs"] == "per_rank"
         plan, error = plan_rank_call(self.specs, args, kwargs, 1 if per_rank else g.world, self.weights, self.cost)
         self.record = record_of(plan, error, v["check_batch"], per_rank)
-        self.checks.check_before(self.record, lambda: module.unshard(async_op=True))
-        if plan is None:
-            assert error is not None  # (the checks are off)
-            raise error
-        average = v["gather_outputs"] and not per_rank
-        subs = through_input_grads(plan.tree, g, average) if torch.is_grad_enabled() else {}
-        return rank_call(plan, args, kwargs, g.rank, g.world, per_rank, subs, lambda a, k: (a, k))
+        unshards: list[Any] = []
+        try:
+            self.checks.check_before(self.record, lambda: unshards.append(module.unshard(async_op=True)))
+            if plan is None:
+                assert error is not None  # (the checks are off)
+                raise error
+            average = v["gather_outputs"] and not per_rank
+            subs = through_input_grads(plan.tree, g, average) if torch.is_grad_enabled() else {}
+            return rank_call(plan, args, kwargs, g.rank, g.world, per_rank, subs, lambda a, k: (a, k))
+        except BaseException:
+            for handle in unshards:  # FSDP's hook will not take this all-gather: a later forward would, stale
+                handle.wait()
+                module.reshard()
+            raise
 
     @run_by_dynamo_as_it_is
     def failed(self, part: RankCall, exc: BaseException) -> None:

@@ -357,7 +357,7 @@ def _one_rank_bad_inputs():
         h = (h[0][:, :4], h[1])  # a ScatterError on rank 1 only: every rank must raise, none may hang
     msg = _expect_batch_error(ddp, x, hid, h, contains=("rank 1 could not split its inputs",))
     if rank == 1:
-        assert "suggested fix" in msg, msg
+        assert "suggested fix: dpfast.DistributedDataParallel(..., " in msg, msg  # written as a call of DDP
 
 
 def _one_rank_bad_structure():

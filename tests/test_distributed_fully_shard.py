@@ -174,6 +174,52 @@ def _new_weights_after_a_failed_check(world, gather):
         torch.testing.assert_close(_full(p.detach()), q.detach())
 
 
+class NeedsTwo(Losses):
+    """Refuses fewer than two samples, as BatchNorm in training mode refuses one: neither an empty share nor the
+    stand-in sample runs."""
+
+    def forward(self, x, y):
+        if x.shape[0] < 2:
+            raise RuntimeError("NeedsTwo needs at least two samples")
+        return super().forward(x, y)
+
+
+def _rank_without_rows_that_cannot_run(world, inputs, gather):
+    """A rank without rows whose module refuses both its empty share and the stand-in sample: every rank raises
+    promptly, saying so, with local outputs too (the others used to wait in FSDP's backward), and the module
+    trains on."""
+    torch.manual_seed(0)
+    kw = dict(chunk_sizes=[1] * (world - 1) + [0]) if inputs == "global" else {}
+    net = dpfast.distributed.fully_shard(
+        NeedsTwo().to(DT), mesh=_mesh(), inputs=inputs, gather_outputs=gather, out_dims=("mean", "sum", 0), **kw
+    )
+    x, y = xy(2 * world)
+    last = dist.get_rank() == world - 1
+    rows = (x[:0], y[:0]) if last else (x[:2], y[:2])
+    call = (lambda: net(x, y)) if inputs == "global" else (lambda: net(*rows))
+    msg = expect_batch_error(call, ["no rows of this batch", "NeedsTwo needs at least two samples"])
+    assert "raised in" not in msg, msg
+    if inputs == "per_rank":
+        net(x[:2], y[:2])[0].backward()  # every rank with rows: it trains on
+
+
+def _suggested_fix_names_fully_shard(world):
+    """The seed RRN without in_dims: every rank raises with this rank's table and a fix written as a call of
+    fully_shard, not DataParallel; and the fix (with the outputs' state on axis 1) is the fix."""
+    x, hid, h = rrn_inputs(5)
+    torch.manual_seed(0)
+    net = dpfast.distributed.fully_shard(RRN().to(DT), mesh=_mesh(), gather_outputs=True)
+    msg = expect_batch_error(lambda: net(x, hid, h), ["could not split"])
+    fix = "suggested fix: dpfast.distributed.fully_shard(..., in_dims={'h': 1})"
+    assert fix in msg, msg
+    torch.manual_seed(0)
+    fixed = dpfast.distributed.fully_shard(
+        RRN().to(DT), mesh=_mesh(), gather_outputs=True, in_dims={"h": 1}, out_dims=(0, 0, 1)
+    )
+    with torch.no_grad():
+        assert fixed(x, hid, h)[2][0].shape == h[0].shape
+
+
 def _checks_on_the_host(world):
     """The check's result is read before each forward, so its buffers are on the host: a CUDA mesh's group that
     takes CPU tensors serves with CPU buffers, and one without gloo gets a gloo group of the same ranks (made here
@@ -303,6 +349,12 @@ def _scenarios(world):
     out["disagreements_local"] = functools.partial(_disagreements, world, False)
     out["settings_disagree"] = functools.partial(_settings_disagree, world)
     out["checks_on_the_host"] = functools.partial(_checks_on_the_host, world)
+    out["suggested_fix_names_fully_shard"] = functools.partial(_suggested_fix_names_fully_shard, world)
+    for inputs in ("global", "per_rank"):
+        for gather in (True, False):
+            out[f"rank_without_rows_cannot_run_{inputs}_gather_{gather}"] = functools.partial(
+                _rank_without_rows_that_cannot_run, world, inputs, gather
+            )
     for gather in (True, False):
         out[f"new_weights_after_a_failed_check_gather_{gather}"] = functools.partial(
             _new_weights_after_a_failed_check, world, gather

@@ -185,13 +185,15 @@ def agree_now(
     records: Sequence[StepRecord],
     name: str = NAME,
     alongside: Callable[[], Any] | None = None,
-) -> None:
+    extra: int = 0,
+) -> list[int]:
     """A blocking check (one small all-gather): return when every rank's records match, else raise on every rank.
     Used for the first call and where no collective of the step can carry the check. ``alongside`` issues
-    another collective while the check's is in flight, so that their round trips overlap. A group of one has
-    nobody to disagree with: its own status is read, and no collective runs."""
+    another collective while the check's is in flight, so that their round trips overlap. ``extra``: a number
+    of this rank's that travels with its row uncompared; every rank's is returned, in rank order. A group of one
+    has nobody to disagree with: its own status is read, and no collective runs."""
     world = dist.get_world_size(group)
-    mine = chain_row(records)
+    mine = chain_row(records) + [extra]
     if world == 1:
         rows = [mine]
     else:
@@ -202,8 +204,10 @@ def agree_now(
             alongside()
             work.wait()
         rows = [t.tolist() for t in rows_t]
+    extras = [row.pop() for row in rows]
     if not rows_agree(rows):
         raise_disagreement(group, records, rows, name)
+    return extras
 
 
 class StepChecks:
@@ -234,15 +238,18 @@ class StepChecks:
             self.checked_once = True
         self.records.append(record)  # how the forward ends (it may still fail) is checked with the step
 
-    def check_before(self, record: StepRecord, alongside: Callable[[], Any]) -> None:
+    def check_before(self, record: StepRecord, alongside: Callable[[], Any], rows: int) -> list[int] | None:
         """A forward checked before it runs, with one small all-gather: FSDP2 leaves its step's state undefined
         after a raise that follows its forward hook, so a rank that disagrees must raise before it. ``alongside``
-        starts the forward's first collective (FSDP's unshard), so that the check's round trip overlaps it."""
+        starts the forward's first collective (FSDP's unshard), so that the check's round trip overlaps it.
+        ``rows``: this rank's row count, which the ranks need not share; returns every rank's (``None`` when the
+        checks are off)."""
         if not self.enabled:
-            return
+            return None
         records, self.records = self.records + [record], []
-        agree_now(self.group.process_group, self.group.comm_device, records, self.name, alongside)
+        every_rows = agree_now(self.group.process_group, self.group.comm_device, records, self.name, alongside, rows)
         self._commit()
+        return every_rows
 
     def ran(self, trace: list[tuple] | None, buffer_source: int) -> None:
         """What this forward did, kept until its check says it is what every rank did."""

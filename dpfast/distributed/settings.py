@@ -80,15 +80,16 @@ def check_inputs_mode(inputs: Any, chunk_sizes: Any, cost: Any, check_batch: Any
             )
 
 
-def check_settings(module: Any, values: dict[str, Any], process_group: Any) -> tuple:
+def check_settings(module: Any, values: dict[str, Any], process_group: Any, name: str = NAME) -> tuple:
     """This rank's settings checked (raises TypeError/ValueError naming the argument): the specs bound to
-    ``module.forward``, the cost spec, and the ranks' weights (when the process group is known)."""
+    ``module.forward`` (whose suggested fixes name the wrapper, ``name``), the cost spec, and the ranks' weights
+    (when the process group is known)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     if values["check_batch"] not in (True, False, "values"):
         raise ValueError(f"check_batch must be True, False or 'values', got {values['check_batch']!r}")
     check_inputs_mode(values["inputs"], values["chunk_sizes"], values["cost"], values["check_batch"])
-    specs = Binding(forward_of(module), values["in_dims"], values["dim"])
+    specs = Binding(forward_of(module), values["in_dims"], values["dim"], name)
     validate_spec(values["out_dims"], "out_dims", allow_reductions=True)
     cost_spec = None if values["cost"] is None else CostSource(values["cost"], specs)
     weights = None
@@ -106,7 +107,7 @@ def agreed_settings(
     try:
         if also is not None:
             also()
-        checked = check_settings(module, values, process_group)
+        checked = check_settings(module, values, process_group, name)
     except (TypeError, ValueError) as exc:
         agree_on_settings(process_group, None, exc, name)
         raise

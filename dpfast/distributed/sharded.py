@@ -18,7 +18,9 @@ runs around torch's (its forward hooks included), on every rank:
    as nothing (:mod:`dpfast.distributed.empty_ranks`). Not its empty share first, as under DDP: a module that
    refuses an empty batch raises inside FSDP's hooks, and a second try then breaks the order of FSDP's
    collectives in backward (measured: a hang with the state fed back). With per-rank inputs it runs its empty
-   share.
+   share. Without ``gather_outputs``, a step in which some rank has no rows (every rank knows: the plan's sizes,
+   or for per-rank inputs the row counts the check carried) ends with one more check, so that a rank that could
+   not run its part raises on every rank (the others would wait in FSDP's backward).
 3. With ``gather_outputs=True``, the same output exchange as DDP's: every rank gets the full-batch outputs. FSDP2,
    like DDP, divides gradients by the world size before summing them, so the exchange's backward (the exact
    adjoint of an all-gather) gives the full-batch gradients (:mod:`dpfast.distributed.output_adjoint`).
@@ -191,6 +193,7 @@ class _ShardedCalls:
     checks: StepChecks = dataclasses.field(init=False)
     exchange: ExchangeLayouts = dataclasses.field(default_factory=ExchangeLayouts)
     record: StepRecord | None = None  # the last forward's, which fails when its module raises
+    check_after: bool = False  # the last forward's: a rank had no rows, so the ranks check again after it
 
     def __post_init__(self) -> None:
         check_group = self.group.on_host() if self.values["check_batch"] else self.group  # read before each forward
@@ -209,10 +212,13 @@ class _ShardedCalls:
         self.record = record_of(plan, error, v["check_batch"], per_rank)
         unshards: list[Any] = []
         try:
-            self.checks.check_before(self.record, lambda: unshards.append(module.unshard(async_op=True)))
+            mine = 1 if plan is None or plan.batch_size is None else plan.batch_size  # (read for per-rank inputs)
+            every = self.checks.check_before(self.record, lambda: unshards.append(module.unshard(async_op=True)), mine)
             if plan is None:
                 assert error is not None  # (the checks are off)
                 raise error
+            sizes = every if per_rank else plan.sizes if plan.mode == "split" else ()
+            self.check_after = every is not None and not v["gather_outputs"] and 0 in (sizes or ())
             average = v["gather_outputs"] and not per_rank
             subs = through_input_grads(plan.tree, g, average) if torch.is_grad_enabled() else {}
             return rank_call(plan, args, kwargs, g.rank, g.world, per_rank, subs, lambda a, k: (a, k))
@@ -223,17 +229,26 @@ class _ShardedCalls:
             raise
 
     @run_by_dynamo_as_it_is
-    def failed(self, part: RankCall, exc: BaseException) -> None:
-        """This rank's module raised: with gathered outputs the others wait in the exchange, which carries the
-        failure (every rank raises there); otherwise the caller re-raises."""
-        if self.values["gather_outputs"] and self.values["check_batch"]:
-            self.record.fail(MODULE_RAISED, exc)
+    def failed(self, part: RankCall, exc: BaseException, status: int = MODULE_RAISED) -> None:
+        """This rank could not run its part (its module raised, or it has no rows and refused them): with gathered
+        outputs the others wait in the exchange, which carries the failure, and in a step where a rank has no rows
+        they wait in the check after it (every rank raises there); otherwise the caller re-raises."""
+        if self.values["check_batch"] and (self.values["gather_outputs"] or self.check_after):
+            self.record.fail(status, exc)
             self.checks.records.append(self.record)
-            self._gather(None, part, failed=True)
+            if self.values["gather_outputs"]:
+                self._gather(None, part, failed=True)
+            else:
+                self.checks.check_now()
 
     @run_by_dynamo_as_it_is
     def after(self, outputs: Any, part: RankCall) -> Any:
-        return self._gather(outputs, part, failed=False) if self.values["gather_outputs"] else outputs
+        if self.values["gather_outputs"]:
+            return self._gather(outputs, part, failed=False)
+        if self.check_after:  # a rank had no rows: did it run its part? (no later collective would say)
+            self.checks.records.append(self.record)
+            self.checks.check_now()
+        return outputs
 
     @run_by_dynamo_as_it_is
     def run_empty(self, run: Callable[..., Any], module: nn.Module, part: RankCall) -> Any:
@@ -250,7 +265,7 @@ class _ShardedCalls:
                 f"{NAME}: rank {self.group.rank} has no rows and cannot run its part ({result.error})"
             )
             error.__cause__ = result.error
-            self.failed(part, error)
+            self.failed(part, error, result.status)
             raise error
         return result.outputs
 

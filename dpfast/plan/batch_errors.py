@@ -78,7 +78,7 @@ def _one_fix(tree: Any, culprits: set, batch: int | None, picked: Reading | None
             f"no in_dims found that splits this call's arguments into B = {batch}: give each argument its batch "
             "axis, None for one without, 'items' for a list of per-sample items"
         )
-    return f"suggested fix: DataParallel(..., {tree.binding.suggestion(fixes)})"
+    return f"suggested fix: {tree.binding.caller}(..., {tree.binding.suggestion(fixes)})"
 
 
 def _choices(tree: Any, listed: Sequence[Reading], vote: int | None, plans_to: PlansTo) -> list[str]:
@@ -93,12 +93,12 @@ def _choices(tree: Any, listed: Sequence[Reading], vote: int | None, plans_to: P
         return ["no in_dims found that splits this call's arguments into one B: give each argument its batch axis, "
                 "None for one without, 'items' for a list of per-sample items"]  # fmt: skip
     if len(offered) == 1:
-        return [f"suggested fix: DataParallel(..., {offered[0][1]})"]
+        return [f"suggested fix: {tree.binding.caller}(..., {offered[0][1]})"]
     lines = ["several sizes could be B here, so none is picked: say which with in_dims (each of these plans the call)"]
     for r, text in offered:
         replicated = _replicated(tree, r)
         note = f" (replicating {', '.join(replicated)})" if replicated else ""
-        lines.append(f"  B = {r.batch}: DataParallel(..., {text}){note}")
+        lines.append(f"  B = {r.batch}: {tree.binding.caller}(..., {text}){note}")
     return lines
 
 

@@ -39,9 +39,10 @@ class Binding:
     parameter names (the ``*args``/``**kwargs`` names themselves, or any keyword when forward takes ``**kwargs``).
     """
 
-    def __init__(self, forward: Callable, in_dims: Any, dim: int):
+    def __init__(self, forward: Callable, in_dims: Any, dim: int, caller: str = "DataParallel"):
         if not is_int(dim):
             raise TypeError(f"dim must be an int (the batch axis), got {type(dim).__name__} {dim!r}")
+        self.caller = caller  # what a suggested fix is written as a call of
         self._read_signature(forward)
         self._bind(in_dims, dim)
 

@@ -165,6 +165,38 @@ def _mismatch_later(gather):
     step(5)  # the group is still usable
 
 
+class Scaled(nn.Module):
+    """Takes a replicated tensor beside the batch (in_dims={"scale": None})."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x, scale):
+        return self.lin(x * scale.sum())
+
+
+def _replicated_tensor_differs(gather, inputs):
+    """A replicated tensor of another shape, or another dtype, on one rank: with the global batch every rank
+    raises naming it (the record had only its spec, so the ranks ran on different values); with per-rank inputs
+    its dtype still must agree, its shape may differ."""
+    rank = dist.get_rank()
+    ddp = dpfast.DistributedDataParallel(Scaled().to(DT), in_dims={"scale": None}, gather_outputs=gather, inputs=inputs)
+    x = xy(6)[0]
+    one, two = torch.ones(1, dtype=DT), torch.full((2,), 0.5, dtype=DT)
+
+    def step(scale):
+        ddp(x, scale).sum().backward()
+
+    step(one)
+    if inputs == "global":
+        expect_batch_error(lambda: step(two if rank == 1 else one), ["scale", "(2,)"])
+    else:
+        step(two if rank == 1 else one)  # each rank's own: its shape is its own
+    expect_batch_error(lambda: step(one.float() if rank == 1 else one), ["scale", "torch.float32"])
+    step(one)
+
+
 def _bad_inputs_later(module_factory, gather, no_grad):
     """A ScatterError on rank 1 only, after the first call: rank 1 keeps step with the others (their collectives
     replayed, its check row saying why) and every rank raises at the step's check."""
@@ -321,6 +353,10 @@ def _scenarios(world):
     out["no_more_collectives_than_torch_with_buffers"] = functools.partial(_no_more_than_torch, BNNet, False, "global")
     out["mismatch_later"] = functools.partial(_mismatch_later, False)
     out["mismatch_later_gather"] = functools.partial(_mismatch_later, True)
+    for inputs in ("global", "per_rank"):
+        for gather in (False, True):
+            name = f"replicated_tensor_differs_{inputs}{'_gather' if gather else ''}"
+            out[name] = functools.partial(_replicated_tensor_differs, gather, inputs)
     for gather in (False, True):
         for sync in (False, True):
             for no_grad in (False, True):

@@ -88,9 +88,11 @@ class StepRecord:
 
 def _leaf_text(leaf: Leaf, per_rank: bool) -> str:
     v = leaf.value
-    if leaf.split is None:
-        kind = f"tensor(requires_grad={v.requires_grad})" if isinstance(v, Tensor) else type(v).__name__
-        return f"spec {leaf.spec!r}: {kind}"
+    if leaf.split is None:  # replicated: the same tensor on every rank (per-rank inputs: its shape is the rank's)
+        if not isinstance(v, Tensor):
+            return f"spec {leaf.spec!r}: {type(v).__name__}"
+        shape = f"{v.dim()}-dim" if per_rank else shape_text(v)
+        return f"spec {leaf.spec!r}: tensor {shape} {v.dtype}{', requires_grad' if v.requires_grad else ''}"
     if leaf.is_items:
         return f"items: {type(v).__name__}" if per_rank else f"items: {type(v).__name__}[{len(v)}]"
     data = v.data if leaf.is_packed else v
@@ -145,8 +147,17 @@ def step_record(plan: CallPlan, per_rank: bool) -> StepRecord:
             [flat[i].shape if k == "tensor" else shape_text(flat[i]) for i, k in zip(program.mapped, program.kinds)]
         )
         shapes = (fingerprint(shapes),)
+    if program.copied:  # the replicated tensors' shapes (their dtypes are in the program's fingerprint)
+        shapes += tuple([_shape_key(flat[i]) for i in program.copied])
     batch = -1 if plan.batch_size is None else plan.batch_size
     return StepRecord(OK, None, None, hash((base, batch, plan.balance is not None, tuple(plan.sizes), shapes)), plan)
+
+
+def _shape_key(v: Any) -> Any:
+    """A shape every process hashes alike: a plain tensor's ``torch.Size``, else its shape in words, hashed."""
+    if isinstance(v, Tensor) and not v.is_nested:
+        return v.shape
+    return fingerprint(shape_text(v))
 
 
 def record_of(plan: CallPlan | None, error: BaseException | None, check_batch: Any, per_rank: bool) -> StepRecord:

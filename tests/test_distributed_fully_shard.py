@@ -273,6 +273,14 @@ def _refusals(world):
         dpfast.distributed.fully_shard(Losses().to(DT), mesh="cpu")
     with pytest.raises(ValueError, match="inputs must be"):
         dpfast.distributed.fully_shard(Losses().to(DT), inputs="rows")
+    torch_sharded = fsdp.fully_shard(Losses().to(DT), mesh=_mesh())
+    with pytest.raises(ValueError, match="torch's fully_shard was already applied to this module: apply dpfast"):
+        dpfast.distributed.fully_shard(torch_sharded, mesh=_mesh())
+    typo = Losses().to(DT)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'reshard_after_forwards'"):
+        dpfast.distributed.fully_shard(typo, mesh=_mesh(), reshard_after_forwards=False)
+    fixed = dpfast.distributed.fully_shard(typo, mesh=_mesh(), reshard_after_forward=False)  # nothing was left
+    fixed(*xy(5))
 
 
 def _default_mesh(world):

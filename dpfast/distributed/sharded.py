@@ -29,6 +29,7 @@ runs around torch's (its forward hooks included), on every rank:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -140,11 +141,22 @@ def fully_shard(
     values.update(cost=cost, gather_outputs=bool(gather_outputs), check_batch=check_batch)
     mesh, pg = _mesh_and_group(mesh)
 
-    def not_twice() -> None:
+    from torch.distributed.fsdp import FSDPModule  # (there, as _torch_fully_shard found)
+
+    def once_and_by_torch_signature() -> None:
         if isinstance(module, _ShardedCall):
             raise ValueError(f"{NAME} was already applied to this module: apply it once, to the root")
+        if isinstance(module, FSDPModule):
+            raise ValueError(
+                f"torch's fully_shard was already applied to this module: apply {NAME} to the root instead (blocks "
+                "inside it may stay torch's)"
+            )
+        try:  # (before torch registers anything on the module: a typo must not leave it half-sharded)
+            inspect.signature(torch_fully_shard).bind(module, mesh=mesh, **fully_shard_kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{NAME}: {exc} (the keywords torch's fully_shard takes pass through)") from None
 
-    specs, cost_spec, weights = agreed_settings(module, values, pg, NAME, not_twice)
+    specs, cost_spec, weights = agreed_settings(module, values, pg, NAME, once_and_by_torch_signature)
     torch_fully_shard(module, mesh=mesh, **fully_shard_kwargs)
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
     comm = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")

@@ -197,6 +197,31 @@ def _replicated_tensor_differs(gather, inputs):
     step(one)
 
 
+class WithJagged(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x, seq):
+        return self.lin(x) + seq.values().sum()
+
+
+def _jagged(*lengths):
+    return torch.nested.nested_tensor([torch.ones(n, 3, dtype=DT) for n in lengths], layout=torch.jagged)
+
+
+def _same_jagged_tensors_agree(split):
+    """A jagged tensor's ragged size prints as a per-process symbol (j1, j2...): a rank that made one more jagged
+    tensor before raised a disagreement over the very same batch. Split or replicated, they agree now."""
+    if dist.get_rank() == 1:
+        _jagged(1)  # (one more jagged tensor on this rank only, as a rank that logged or evaluated would make)
+    in_dims = (0, 0) if split else (0, None)
+    ddp = dpfast.DistributedDataParallel(WithJagged().to(DT), in_dims=in_dims)
+    b = 6 if split else 4
+    for _ in range(2):
+        ddp(xy(b)[0][:b], _jagged(*range(1, 7)) if split else _jagged(2, 4)).sum().backward()
+
+
 def _bad_inputs_later(module_factory, gather, no_grad):
     """A ScatterError on rank 1 only, after the first call: rank 1 keeps step with the others (their collectives
     replayed, its check row saying why) and every rank raises at the step's check."""
@@ -353,6 +378,10 @@ def _scenarios(world):
     out["no_more_collectives_than_torch_with_buffers"] = functools.partial(_no_more_than_torch, BNNet, False, "global")
     out["mismatch_later"] = functools.partial(_mismatch_later, False)
     out["mismatch_later_gather"] = functools.partial(_mismatch_later, True)
+    for split in (False, True):
+        out[f"same_jagged_tensors_agree_{'split' if split else 'replicated'}"] = functools.partial(
+            _same_jagged_tensors_agree, split
+        )
     for inputs in ("global", "per_rank"):
         for gather in (False, True):
             name = f"replicated_tensor_differs_{inputs}{'_gather' if gather else ''}"

@@ -91,7 +91,7 @@ def _leaf_text(leaf: Leaf, per_rank: bool) -> str:
     if leaf.split is None:  # replicated: the same tensor on every rank (per-rank inputs: its shape is the rank's)
         if not isinstance(v, Tensor):
             return f"spec {leaf.spec!r}: {type(v).__name__}"
-        shape = f"{v.dim()}-dim" if per_rank else shape_text(v)
+        shape = f"{v.dim()}-dim" if per_rank else _shape_words(v)
         return f"spec {leaf.spec!r}: tensor {shape} {v.dtype}{', requires_grad' if v.requires_grad else ''}"
     if leaf.is_items:
         return f"items: {type(v).__name__}" if per_rank else f"items: {type(v).__name__}[{len(v)}]"
@@ -100,7 +100,7 @@ def _leaf_text(leaf: Leaf, per_rank: bool) -> str:
     kind = "packed " if leaf.is_packed else ""
     if per_rank:  # each rank's own rows: sizes may differ, the rest must not
         return f"{kind}{data.dim()}-dim {data.dtype}, batch axis {leaf.spec!r}{grad}"
-    return f"{kind}{shape_text(v)} {data.dtype}{grad}"
+    return f"{kind}{_shape_words(v)} {data.dtype}{grad}"
 
 
 def _values_hash(leaf: Leaf) -> str:
@@ -144,7 +144,7 @@ def step_record(plan: CallPlan, per_rank: bool) -> StepRecord:
         shapes = tuple([flat[i].shape for i in program.mapped])
     else:  # (items, a PackedSequence, a jagged tensor: their shapes in words)
         shapes = tuple(
-            [flat[i].shape if k == "tensor" else shape_text(flat[i]) for i, k in zip(program.mapped, program.kinds)]
+            [flat[i].shape if k == "tensor" else _shape_words(flat[i]) for i, k in zip(program.mapped, program.kinds)]
         )
         shapes = (fingerprint(shapes),)
     if program.copied:  # the replicated tensors' shapes (their dtypes are in the program's fingerprint)
@@ -157,7 +157,15 @@ def _shape_key(v: Any) -> Any:
     """A shape every process hashes alike: a plain tensor's ``torch.Size``, else its shape in words, hashed."""
     if isinstance(v, Tensor) and not v.is_nested:
         return v.shape
-    return fingerprint(shape_text(v))
+    return fingerprint(_shape_words(v))
+
+
+def _shape_words(v: Any) -> str:
+    """A shape as every process writes it: a jagged tensor's ragged size prints as a symbol each process numbers
+    on its own (``(2, j1, 3)`` here, ``(2, j2, 3)`` on a rank that made one more), so it is told by its values'."""
+    if isinstance(v, Tensor) and v.is_nested and v.layout == torch.jagged:
+        return f"jagged(B={v.size(0)}, values={tuple(v.values().shape)})"
+    return shape_text(v)
 
 
 def record_of(plan: CallPlan | None, error: BaseException | None, check_batch: Any, per_rank: bool) -> StepRecord:

@@ -20,7 +20,9 @@ runs around torch's (its forward hooks included), on every rank:
    collectives in backward (measured: a hang with the state fed back). With per-rank inputs it runs its empty
    share. Without ``gather_outputs``, a step in which some rank has no rows (every rank knows: the plan's sizes,
    or for per-rank inputs the row counts the check carried) ends with one more check, so that a rank that could
-   not run its part raises on every rank (the others would wait in FSDP's backward).
+   not run its part raises on every rank (the others would wait in FSDP's backward). That holds when no FSDP
+   all-gather of the forward follows the failure (the root alone): a failing rank cannot issue the all-gathers of
+   torch-sharded blocks it never reached, so the others' then meet its check (gloo: a collective mismatch).
 3. With ``gather_outputs=True``, the same output exchange as DDP's: every rank gets the full-batch outputs. FSDP2,
    like DDP, divides gradients by the world size before summing them, so the exchange's backward (the exact
    adjoint of an all-gather) gives the full-batch gradients (:mod:`dpfast.distributed.output_adjoint`).

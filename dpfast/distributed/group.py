@@ -27,9 +27,10 @@ class RankGroup:
         """The same ranks with CPU buffers, for a check whose result the host reads at once: reading a CUDA result
         waits for every kernel queued before it (the last step's backward and optimizer step). A process group
         whose backend takes CPU tensors (gloo, or ``"cpu:gloo,cuda:nccl"``) serves as it is; otherwise a gloo group
-        of the same ranks is made, by those ranks together (without gloo in this torch: the group as it is)."""
+        of the same ranks is made, by those ranks together (a group of one, whose checks run no collective, and a
+        torch without gloo keep the group as it is)."""
         host = torch.device("cpu")
-        if self.comm_device.type == "cpu" or not dist.is_gloo_available():
+        if self.comm_device.type == "cpu" or self.world == 1 or not dist.is_gloo_available():
             return self
         if "gloo" in str(dist.get_backend(self.process_group)):
             return dataclasses.replace(self, comm_device=host)

@@ -142,11 +142,8 @@ def step_record(plan: CallPlan, per_rank: bool) -> StepRecord:
     flat = plan.tree.flat
     if program.only_tensors:
         shapes = tuple([flat[i].shape for i in program.mapped])
-    else:  # (items, a PackedSequence, a jagged tensor: their shapes in words)
-        shapes = tuple(
-            [flat[i].shape if k == "tensor" else _shape_words(flat[i]) for i, k in zip(program.mapped, program.kinds)]
-        )
-        shapes = (fingerprint(shapes),)
+    else:  # (items, a PackedSequence, a jagged tensor: their shapes in words, hashed)
+        shapes = tuple([_shape_key(flat[i]) for i in program.mapped])
     if program.copied:  # the replicated tensors' shapes (their dtypes are in the program's fingerprint)
         shapes += tuple([_shape_key(flat[i]) for i in program.copied])
     batch = -1 if plan.batch_size is None else plan.batch_size
